@@ -1,0 +1,43 @@
+// megamoe/config.hpp: the shape and configuration of one MoE layer.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "megamoe/activation.hpp"
+
+namespace megamoe {
+
+// Routed-expert shape of one MoE layer (targets.md, "Shapes").
+struct LayerShape {
+  int64_t hidden = 0;        // H: expert input width (Kimi-K3: the latent width 3584)
+  int64_t intermediate = 0;  // I: per-expert intermediate width
+  int64_t num_experts = 0;   // E: experts in total, over all EP ranks
+  int64_t top_k = 0;         // K
+
+  void validate() const;     // H, I multiples of 32, all positive
+  std::string to_string() const;
+};
+
+// Named shapes of targets.md: "kimi-k3", "deepseek-v3", "gpt-oss-120b", "small".
+LayerShape shape_preset(std::string_view name);
+// The activation each preset uses (kimi-k3: situ; gpt-oss-120b: swiglu_oai; others: swiglu).
+Activation activation_preset(std::string_view shape_name);
+std::vector<std::string> shape_preset_names();
+
+struct LayerConfig {
+  LayerShape shape;
+  int ep_size = 1;                       // R
+  int ep_rank = 0;                       // r: owns global experts [r*E_l, (r+1)*E_l)
+  int64_t max_tokens_per_rank = 8192;    // capacity: T above it is an error, never a drop
+  Activation activation = Activation::swiglu();
+  bool fast_math = true;                 // numerics.md section 4
+
+  int64_t num_local_experts() const { return shape.num_experts / ep_size; }
+  int64_t first_local_expert() const { return num_local_experts() * ep_rank; }
+  void validate() const;                 // throws kInvalidArgument naming the field
+};
+
+}  // namespace megamoe

@@ -1,0 +1,57 @@
+// megamoe/layer.hpp: one MoE layer call, on the best available backend.
+//
+//   MoeLayer layer(config, std::move(weights));          // canonical weights; backend "auto"
+//   layer.forward(x, topk_idx, topk_weights, y);          // y = MoE(x), numerics.md
+//
+// Tensors (TensorView, contiguous, on the backend's device):
+//   x            bf16  [T, H]
+//   topk_idx     int32 [T, K]   global expert ids in [0, E) or -1 (empty slot)
+//   topk_weights fp32  [T, K]
+//   y            bf16  [T, H]   written in full (zeros for tokens without a valid slot)
+// T may be 0 and may not exceed config.max_tokens_per_rank.
+//
+// The layer takes ownership of the weights and prepares them for its backend in place.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "megamoe/config.hpp"
+#include "megamoe/tensor.hpp"
+#include "megamoe/weights.hpp"
+
+namespace megamoe {
+
+namespace detail {
+class LayerBackend;
+}
+
+class MoeLayer {
+ public:
+  // backend: "auto" (sm90 when built with CUDA and an sm_90 device is present, else "cpu"),
+  // "cpu" or "sm90". Throws kInvalidArgument for an unknown name, kUnsupported when the backend
+  // cannot run here, and when the weights do not match the config.
+  MoeLayer(const LayerConfig& config, MoeWeights weights, std::string_view backend = "auto");
+  ~MoeLayer();
+  MoeLayer(MoeLayer&&) noexcept;
+  MoeLayer& operator=(MoeLayer&&) noexcept;
+
+  // stream: a cudaStream_t for GPU backends (nullptr = legacy default stream); ignored on CPU.
+  void forward(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
+               const TensorView& y, void* stream = nullptr);
+
+  const LayerConfig& config() const;
+  const std::string& backend() const;
+  Device device() const;
+  const MoeWeights& weights() const;
+
+ private:
+  std::unique_ptr<detail::LayerBackend> impl_;
+};
+
+// Backends usable in this process, best first ("cpu" is always last).
+std::vector<std::string> available_backends();
+
+}  // namespace megamoe

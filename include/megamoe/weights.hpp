@@ -1,0 +1,60 @@
+// megamoe/weights.hpp: the expert weights of one layer on one rank.
+//
+// Canonical form (weights.md section 2), the form every backend starts from:
+//   w13    uint8 [E_l, 2I, H/2]    rows [0, I) gate (w1), [I, 2I) up (w3); E2M1 pairs, low nibble even k
+//   w13_sf uint8 [E_l, 2I, H/32]   UE8M0
+//   w2     uint8 [E_l, H, I/2]
+//   w2_sf  uint8 [E_l, H, I/32]
+//   w13_bias bf16 [E_l, 2I], w2_bias bf16 [E_l, H]   optional (GPT-OSS)
+//
+// A backend's preparation turns these buffers into its own layout in place (src/prep/); the
+// `layout` field says which layout the bytes are in now, so preparing twice is detected.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "megamoe/buffer.hpp"
+#include "megamoe/config.hpp"
+
+namespace megamoe {
+
+constexpr const char* kCanonicalLayout = "canonical";
+
+struct MoeWeights {
+  int64_t num_local_experts = 0;  // E_l
+  int64_t first_expert = 0;       // global id of local expert 0 (= ep_rank * E_l)
+  int64_t hidden = 0;             // H
+  int64_t intermediate = 0;       // I
+  std::string layout = kCanonicalLayout;
+
+  Buffer w13, w13_sf, w2, w2_sf;
+  Buffer w13_bias, w2_bias;       // empty when the checkpoint has none
+
+  bool has_bias() const { return !w13_bias.empty(); }
+  Device device() const { return w13.device(); }
+  int64_t total_bytes() const;
+
+  // Canonical sizes in bytes of each buffer for this (E_l, H, I).
+  int64_t w13_bytes() const { return num_local_experts * 2 * intermediate * hidden / 2; }
+  int64_t w13_sf_bytes() const { return num_local_experts * 2 * intermediate * hidden / 32; }
+  int64_t w2_bytes() const { return num_local_experts * hidden * intermediate / 2; }
+  int64_t w2_sf_bytes() const { return num_local_experts * hidden * intermediate / 32; }
+
+  // Allocates canonical buffers (uninitialised) for these dimensions.
+  static MoeWeights allocate(int64_t num_local_experts, int64_t first_expert, int64_t hidden,
+                             int64_t intermediate, bool with_bias, Device device = Device::cpu());
+
+  // Checks dimensions and buffer sizes against the layout; throws kInvalidArgument / kFormat.
+  void validate_canonical() const;
+
+  // Checks that these weights serve `config` (H, I, E_l, first expert); throws naming the field.
+  void check_matches(const LayerConfig& config) const;
+};
+
+// Synthetic MXFP4 weights for tests, benchmarks and the default CLI run: uniform random E2M1
+// codes and UE8M0 scales chosen so each expert's outputs have unit-order magnitude
+// (scales around 2^-round(log2(sqrt(K)))), with a small per-row spread. Deterministic in `seed`.
+MoeWeights synthetic_weights(const LayerConfig& config, uint64_t seed, bool with_bias = false);
+
+}  // namespace megamoe
