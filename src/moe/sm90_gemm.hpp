@@ -1,0 +1,70 @@
+// sm90_gemm.hpp: launchers of the Hopper expert GEMMs (the interface between the layer pipeline
+// and the grouped-GEMM kernels). Kernels: kernels/sm90/.
+//
+// Both GEMMs are grouped over the rank's local experts. Their "rows" are the routed (token, slot)
+// pairs sorted by local expert: rows of local expert e are [row_offsets[e], row_offsets[e+1]).
+// Row buffers are allocated for `max_rows` rows plus kRowSlack extra rows, so a tile may read
+// past the last row without leaving the allocation (those rows are never written back).
+//
+//   L1:  acc[r, n] = sum_k act[r, k] * W13_e[n, k]         n in [0, 2I), k in [0, H)
+//        epilogue (numerics.md sections 4-5): g/u to BF16, activation, * row_weight[r],
+//        per-32 requantization -> h_q[r, I] (e4m3), h_sf[r, I/32] (ue8m0), and h_act[r, I], the
+//        same values dequantized to BF16 (exact), which is L2's operand.
+//   L2:  out[r, n] = bf16( sum_j h_act[r, j] * W2_e[n, j] )   n in [0, H), j in [0, I)
+//
+// Operands in exact mode are BF16 values that carry E4M3 x 2^s and E2M1 x 2^s exactly; the
+// products are exact and accumulation is FP32 (wgmma), so only summation order differs from the
+// CPU reference.
+#pragma once
+
+#include <cstdint>
+
+#include "megamoe/activation.hpp"
+
+#if defined(MEGAMOE_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace megamoe::sm90 {
+
+constexpr int64_t kRowSlack = 256;  // extra rows allocated after max_rows in every row buffer
+
+struct L1Args {
+  int num_experts = 0;                  // E_l
+  int64_t hidden = 0;                   // H (reduction)
+  int64_t intermediate = 0;             // I (output: 2I accumulators, I activations)
+  int64_t max_rows = 0;                 // capacity in rows (host-known upper bound of routed rows)
+  const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
+  const uint16_t* act = nullptr;        // device bf16 [max_rows + kRowSlack, H]
+  const float* row_weights = nullptr;   // device fp32 [max_rows]
+  const uint8_t* w13 = nullptr;         // device, sm90 prepared layout
+  const uint8_t* w13_sf = nullptr;      // device, sm90 prepared layout
+  const uint16_t* w13_bias = nullptr;   // device bf16 [E_l, 2I] canonical row order, or nullptr
+  Activation activation;
+  bool fast_math = true;
+  uint8_t* h_q = nullptr;               // device e4m3 [max_rows, I]
+  uint8_t* h_sf = nullptr;              // device ue8m0 [max_rows, I/32]
+  uint16_t* h_act = nullptr;            // device bf16 [max_rows + kRowSlack, I]
+};
+
+struct L2Args {
+  int num_experts = 0;
+  int64_t hidden = 0;                   // H (output)
+  int64_t intermediate = 0;             // I (reduction)
+  int64_t max_rows = 0;
+  const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
+  const uint16_t* h_act = nullptr;      // device bf16 [max_rows + kRowSlack, I]
+  const float* row_weights = nullptr;   // device fp32 [max_rows] (scales the L2 bias only)
+  const uint8_t* w2 = nullptr;          // device, sm90 prepared layout
+  const uint8_t* w2_sf = nullptr;       // device, sm90 prepared layout
+  const uint16_t* w2_bias = nullptr;    // device bf16 [E_l, H], or nullptr
+  uint16_t* out = nullptr;              // device bf16 [max_rows, H]
+};
+
+#if defined(MEGAMOE_WITH_CUDA)
+// Asynchronous on `stream`; no host synchronization and no allocation (CUDA-graph capturable).
+void launch_l1(const L1Args& args, cudaStream_t stream);
+void launch_l2(const L2Args& args, cudaStream_t stream);
+#endif
+
+}  // namespace megamoe::sm90
