@@ -8,6 +8,7 @@
 // The per-group scale rules are MEGAMOE_HD functions so kernels use the same definition.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "megamoe/formats.hpp"

@@ -1,0 +1,84 @@
+// LayerShape / LayerConfig: validation and the named shapes of targets.md.
+#include "megamoe/config.hpp"
+
+#include <array>
+#include <sstream>
+
+#include "megamoe/error.hpp"
+#include "megamoe/formats.hpp"
+
+namespace megamoe {
+
+namespace {
+
+struct ShapePreset {
+  const char* name;
+  LayerShape shape;
+};
+
+// targets.md, "Shapes". Order = the order shape_preset_names() lists them.
+constexpr std::array<ShapePreset, 4> kShapePresets = {{
+    {"kimi-k3", {3584, 3072, 896, 16}},      // latent H; situ(4, 25); EP8 in production
+    {"deepseek-v3", {7168, 2048, 256, 8}},   // swiglu
+    {"gpt-oss-120b", {2880, 2880, 128, 4}},  // swiglu_oai + bias; 2880 is not a multiple of 128
+    {"small", {1024, 512, 32, 4}},           // quick tests, CPU CI
+}};
+
+std::string preset_list() {
+  std::string s;
+  for (const auto& p : kShapePresets) s += (s.empty() ? "" : ", ") + std::string(p.name);
+  return s;
+}
+
+}  // namespace
+
+void LayerShape::validate() const {
+  MEGAMOE_CHECK_ARG(hidden > 0 && hidden % kScaleBlock == 0, "shape: hidden (H) must be a positive ",
+                    "multiple of ", kScaleBlock, ", got ", hidden);
+  MEGAMOE_CHECK_ARG(intermediate > 0 && intermediate % kScaleBlock == 0,
+                    "shape: intermediate (I) must be a positive multiple of ", kScaleBlock, ", got ",
+                    intermediate);
+  MEGAMOE_CHECK_ARG(num_experts > 0, "shape: num_experts (E) must be > 0, got ", num_experts);
+  MEGAMOE_CHECK_ARG(top_k > 0 && top_k <= num_experts, "shape: top_k (K) must be in [1, E=",
+                    num_experts, "], got ", top_k);
+}
+
+std::string LayerShape::to_string() const {
+  std::ostringstream os;
+  os << "H=" << hidden << " I=" << intermediate << " E=" << num_experts << " K=" << top_k;
+  return os.str();
+}
+
+LayerShape shape_preset(std::string_view name) {
+  for (const auto& p : kShapePresets)
+    if (name == p.name) return p.shape;
+  fail(ErrorCode::kInvalidArgument, "shape: unknown preset '", name, "' (expected one of ",
+       preset_list(), ")");
+}
+
+Activation activation_preset(std::string_view shape_name) {
+  (void)shape_preset(shape_name);  // rejects unknown names
+  if (shape_name == "kimi-k3") return Activation::situ(4.0f, 25.0f);
+  if (shape_name == "gpt-oss-120b") return Activation::swiglu_oai(1.702f, 7.0f);
+  return Activation::swiglu();
+}
+
+std::vector<std::string> shape_preset_names() {
+  std::vector<std::string> names;
+  for (const auto& p : kShapePresets) names.emplace_back(p.name);
+  return names;
+}
+
+void LayerConfig::validate() const {
+  shape.validate();
+  MEGAMOE_CHECK_ARG(ep_size >= 1, "config: ep_size must be >= 1, got ", ep_size);
+  MEGAMOE_CHECK_ARG(shape.num_experts % ep_size == 0, "config: ep_size ", ep_size,
+                    " must divide num_experts ", shape.num_experts);
+  MEGAMOE_CHECK_ARG(ep_rank >= 0 && ep_rank < ep_size, "config: ep_rank must be in [0, ep_size=",
+                    ep_size, "), got ", ep_rank);
+  MEGAMOE_CHECK_ARG(max_tokens_per_rank >= 0, "config: max_tokens_per_rank must be >= 0, got ",
+                    max_tokens_per_rank);
+  activation.validate();
+}
+
+}  // namespace megamoe
