@@ -1,0 +1,62 @@
+// sm90_gather.cuh: stage 3 of the layer, the B operand of L1 for every routed row.
+//
+//   act[r, :] = bf16( e4m3(x_q[t, :]) * 2^(x_sf[t, :/32] - 127) ),  t = row_slot[r] / K
+//
+// The product of an E4M3 value and a power of two is exact in BF16 (3 mantissa bits into 7; with
+// the 1e-4 amax floor the smallest value is 2^-9 * 2^-22, far from BF16's subnormal range), so act
+// carries exactly the quantized input and L1 on BF16 tensor cores stays exact (numerics.md 8).
+// NaN codes stay NaN.
+//
+// Thread mapping: one thread per kGatherVec = 8 channels of a row (8-byte load of codes, 16-byte
+// store of BF16). The grid covers the host-known bound T*K rows; rows at or past
+// row_offsets[E_l] (not routed to this rank) exit at once.
+#pragma once
+
+#include <cstdint>
+
+#include "megamoe/formats.hpp"
+
+namespace megamoe::sm90 {
+
+constexpr int kGatherVec = 8;
+constexpr int kGatherBlockThreads = 256;
+static_assert(kScaleBlock % kGatherVec == 0, "a thread's channels share one scale");
+
+__device__ __forceinline__ uint32_t gather_pack_bf16x2(float lo, float hi) {
+  return static_cast<uint32_t>(bf16_from_f32(lo)) | (static_cast<uint32_t>(bf16_from_f32(hi)) << 16);
+}
+
+// chunks_per_row = H / kGatherVec; max_rows = T * K.
+__global__ void __launch_bounds__(kGatherBlockThreads)
+sm90_gather_dequant_e4m3_bf16_kernel(const uint8_t* __restrict__ x_q,
+                                     const uint8_t* __restrict__ x_sf,
+                                     const int32_t* __restrict__ row_offsets,
+                                     const int32_t* __restrict__ row_slot, int32_t num_local,
+                                     int32_t top_k, int64_t hidden, int64_t max_rows,
+                                     uint16_t* __restrict__ act) {
+  const int64_t chunks_per_row = hidden / kGatherVec;
+  const int64_t num_rows = min(static_cast<int64_t>(__ldg(row_offsets + num_local)), max_rows);
+  const int64_t total = num_rows * chunks_per_row;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += stride) {
+    const int64_t r = i / chunks_per_row;
+    const int64_t c = i - r * chunks_per_row;
+    const int64_t t = __ldg(row_slot + r) / top_k;
+    const uint2 codes = __ldg(reinterpret_cast<const uint2*>(x_q + t * hidden) + c);
+    const int b = __ldg(x_sf + t * (hidden / kScaleBlock) + (c * kGatherVec) / kScaleBlock);
+    const float scale = ue8m0_to_f32(static_cast<uint8_t>(b));
+    const uint32_t words[2] = {codes.x, codes.y};
+    uint32_t out[kGatherVec / 2];
+#pragma unroll
+    for (int j = 0; j < kGatherVec / 2; ++j) {
+      const uint32_t w = words[j / 2] >> (16 * (j % 2));
+      const float lo = e4m3_to_f32(static_cast<uint8_t>(w & 0xFFu)) * scale;
+      const float hi = e4m3_to_f32(static_cast<uint8_t>((w >> 8) & 0xFFu)) * scale;
+      out[j] = gather_pack_bf16x2(lo, hi);
+    }
+    reinterpret_cast<uint4*>(act + r * hidden)[c] = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,180 @@
+// sm90_route.cuh: stage 2 of the layer, routing on the device with no host synchronization.
+//
+// Inputs (the caller's device tensors, read once; this is the "staging" of top-k ids/weights):
+//   topk_idx     int32 [T, K]  global expert ids in [0, E) or -1
+//   topk_weights fp32  [T, K]
+// Outputs (layer workspace):
+//   row_offsets  int32 [E_l + 1]   rows of local expert e are [row_offsets[e], row_offsets[e+1])
+//   slot_to_row  int32 [T * K]     row of slot s = t*K + k, or -1 (empty, other rank, invalid)
+//   row_slot     int32 [rows]      inverse map: the slot a row serves (gather reads token s / K)
+//   row_weights  fp32  [rows]      topk_weights of that slot
+//   error        RouteError        sticky record of invalid ids (see below)
+//
+// Placement is a stable counting sort: within an expert, rows follow ascending slot order, so
+// every run places every slot in the same row (bitwise determinism of the whole layer).
+//
+// One CTA, kRouteMaxWarps warps. The slots are cut into one contiguous segment per warp.
+//   pass 1  each warp counts its segment into its own histogram row hist[w][e] (shared memory)
+//   scan    per expert: exclusive prefix over warps; over experts: block-wide exclusive scan of
+//           the totals -> row_offsets; hist[w][e] becomes the first row of warp w in expert e
+//   pass 2  each warp walks its segment again in order, 32 slots at a time; lanes with the same
+//           expert find each other with __match_any_sync and take consecutive rows in lane order.
+// Shared memory: num_warps * E_l * 4 bytes (896 experts x 32 warps = 112 KiB); the launcher picks
+// the largest warp count that fits. NOTES: a single CTA is enough: T*K <= 131072 slots at the
+// largest shape is ~2 x 128 32-slot steps per warp, a few microseconds next to the GEMMs, and it
+// needs no grid-wide synchronization (which a multi-CTA sort would need to stay deterministic).
+//
+// Invalid ids (outside [0, E) and not -1) are never used as an index. The slot is treated as
+// empty, and the error record keeps the smallest invalid slot with its id (one 64-bit atomicMin
+// of (slot << 32 | id), so the record is deterministic) plus a count. The host reads it only in
+// Sm90Layer::check_errors(), which synchronizes; forward() itself never waits.
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe::sm90 {
+
+constexpr int kRouteMaxWarps = 32;
+constexpr int kWarpSize = 32;
+constexpr unsigned long long kRouteNoError = ~0ull;
+
+struct RouteError {
+  unsigned long long first_bad;  // (slot << 32) | uint32(id) of the smallest invalid slot, or kRouteNoError
+  unsigned long long num_bad;    // invalid slots seen since the last reset
+};
+
+struct RouteParams {
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  int64_t num_slots;        // T * K
+  int32_t num_experts;      // E (global)
+  int32_t first_local;      // global id of local expert 0
+  int32_t num_local;        // E_l
+  int32_t* row_offsets;
+  int32_t* slot_to_row;
+  int32_t* row_slot;
+  float* row_weights;
+  RouteError* error;
+};
+
+// Local expert of a slot, or -1. Records invalid ids.
+__device__ __forceinline__ int32_t route_local_expert(const RouteParams& p, int64_t slot) {
+  const int32_t id = __ldg(p.topk_idx + slot);
+  if (id == -1) return -1;
+  if (id < 0 || id >= p.num_experts) {
+    const unsigned long long record =
+        (static_cast<unsigned long long>(slot) << 32) | static_cast<uint32_t>(id);
+    atomicMin(&p.error->first_bad, record);
+    atomicAdd(&p.error->num_bad, 1ull);
+    return -1;
+  }
+  const int32_t local = id - p.first_local;
+  return (local >= 0 && local < p.num_local) ? local : -1;
+}
+
+// Block size kRouteMaxWarps * 32; the first `num_warps` warps take part in the passes.
+// Dynamic shared memory: num_warps * num_local int32.
+__global__ void __launch_bounds__(kRouteMaxWarps * kWarpSize)
+sm90_route_topk_kernel(const RouteParams p, int num_warps) {
+  extern __shared__ int32_t hist[];  // [num_warps][num_local]
+  __shared__ int32_t warp_totals[kRouteMaxWarps];
+  constexpr unsigned kFullMask = 0xFFFFFFFFu;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int num_local = p.num_local;
+  const int hist_size = num_warps * num_local;
+  const int64_t segment = (p.num_slots + num_warps - 1) / num_warps;
+
+  for (int i = threadIdx.x; i < hist_size; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+
+  // ---- pass 1: per-warp histograms ----
+  if (warp < num_warps) {
+    const int64_t begin = warp * segment;
+    const int64_t end = min(begin + segment, p.num_slots);
+    int32_t* my_hist = hist + warp * num_local;
+    for (int64_t s = begin + lane; s < end; s += kWarpSize) {
+      const int32_t e = route_local_expert(p, s);
+      if (e >= 0) atomicAdd(my_hist + e, 1);
+    }
+  }
+  __syncthreads();
+
+  // ---- scan: per expert over warps, then over experts ----
+  // Thread i owns experts [i * per_thread, (i+1) * per_thread), so a thread-order scan of the
+  // per-thread sums is an expert-order scan.
+  const int per_thread = (num_local + blockDim.x - 1) / blockDim.x;
+  const int e_begin = min(static_cast<int>(threadIdx.x) * per_thread, num_local);
+  const int e_end = min(e_begin + per_thread, num_local);
+  int32_t local_sum = 0;
+  for (int e = e_begin; e < e_end; ++e)
+    for (int w = 0; w < num_warps; ++w) local_sum += hist[w * num_local + e];
+
+  // Block-wide exclusive scan of local_sum: within warps by shuffles, then over warp totals.
+  int32_t inclusive = local_sum;
+#pragma unroll
+  for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+    const int32_t n = __shfl_up_sync(kFullMask, inclusive, offset);
+    if (lane >= offset) inclusive += n;
+  }
+  if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
+  __syncthreads();
+  const int num_block_warps = blockDim.x / kWarpSize;
+  if (warp == 0) {
+    int32_t t = lane < num_block_warps ? warp_totals[lane] : 0;
+#pragma unroll
+    for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+      const int32_t n = __shfl_up_sync(kFullMask, t, offset);
+      if (lane >= offset) t += n;
+    }
+    if (lane < num_block_warps) warp_totals[lane] = t;  // inclusive over block warps
+  }
+  __syncthreads();
+  int32_t row = inclusive - local_sum + (warp > 0 ? warp_totals[warp - 1] : 0);
+  for (int e = e_begin; e < e_end; ++e) {
+    p.row_offsets[e] = row;
+    for (int w = 0; w < num_warps; ++w) {
+      const int32_t count = hist[w * num_local + e];
+      hist[w * num_local + e] = row;  // first row of warp w's slots of expert e
+      row += count;
+    }
+  }
+  if (threadIdx.x == 0) p.row_offsets[num_local] = warp_totals[num_block_warps - 1];
+  __syncthreads();
+
+  // ---- pass 2: stable placement ----
+  if (warp < num_warps) {
+    const int64_t begin = warp * segment;
+    const int64_t end = min(begin + segment, p.num_slots);
+    int32_t* my_cursor = hist + warp * num_local;
+    const unsigned lanes_below = (1u << lane) - 1u;
+    for (int64_t chunk = begin; chunk < end; chunk += kWarpSize) {
+      const int64_t s = chunk + lane;
+      const bool in_range = s < end;
+      // NOTES: pass 2 must not record errors twice; it re-reads the id and maps invalid ones to -1.
+      int32_t e = -1;
+      if (in_range) {
+        const int32_t id = __ldg(p.topk_idx + s);
+        const int32_t local = id - p.first_local;
+        if (id >= 0 && id < p.num_experts && local >= 0 && local < p.num_local) e = local;
+      }
+      const unsigned peers = __match_any_sync(kFullMask, e);
+      const int32_t rank = __popc(peers & lanes_below);
+      int32_t r = -1;
+      if (e >= 0) r = my_cursor[e] + rank;
+      __syncwarp();
+      // The lowest lane of each group advances its expert's cursor by the group size.
+      if (e >= 0 && rank == 0) my_cursor[e] += __popc(peers);
+      __syncwarp();
+      if (in_range) {
+        p.slot_to_row[s] = r;
+        if (r >= 0) {
+          p.row_slot[r] = static_cast<int32_t>(s);
+          p.row_weights[r] = __ldg(p.topk_weights + s);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace megamoe::sm90

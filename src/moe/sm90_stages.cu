@@ -1,0 +1,116 @@
+// sm90_stages.cu: launchers of the non-GEMM stages (see sm90_stages.hpp).
+#include "moe/sm90_stages.hpp"
+
+#include <algorithm>
+
+#include "megamoe/error.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/cuda_device.hpp"
+#include "sm90/sm90_combine.cuh"
+#include "sm90/sm90_gather.cuh"
+#include "sm90/sm90_quantize_input.cuh"
+#include "sm90/sm90_route.cuh"
+
+namespace megamoe::sm90 {
+
+namespace {
+
+// NOTES: grid-stride kernels are launched with at most kWavesPerSm blocks per SM; more blocks
+// only add scheduling work, fewer leave memory bandwidth unused at large T.
+constexpr int kWavesPerSm = 8;
+
+int grid_for(int64_t work_items, int block_threads) {
+  const int64_t blocks = (work_items + block_threads - 1) / block_threads;
+  const int64_t cap = static_cast<int64_t>(cuda::device_info().sm_count) * kWavesPerSm;
+  return static_cast<int>(std::max<int64_t>(1, std::min(blocks, cap)));
+}
+
+void check_aligned(const char* arg, const void* ptr, int64_t alignment) {
+  MEGAMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(alignment) == 0, arg,
+                    ": expected a ", alignment, "-byte aligned device pointer, got ", ptr);
+}
+
+}  // namespace
+
+void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden, uint8_t* x_q,
+                           uint8_t* x_sf, cudaStream_t stream) {
+  MEGAMOE_CHECK_ARG(hidden > 0 && hidden % kScaleBlock == 0,
+                    "quantize_input: expected hidden a positive multiple of ", kScaleBlock,
+                    ", got ", hidden);
+  MEGAMOE_CHECK_ARG(num_tokens >= 0, "quantize_input: expected num_tokens >= 0, got ", num_tokens);
+  if (num_tokens == 0) return;
+  check_aligned("quantize_input x", x, 16);
+  check_aligned("quantize_input x_q", x_q, 8);
+  const int64_t num_chunks = num_tokens * hidden / kQuantVec;
+  sm90_quantize_input_bf16_e4m3_kernel<<<grid_for(num_chunks, kQuantBlockThreads),
+                                         kQuantBlockThreads, 0, stream>>>(x, num_chunks, x_q, x_sf);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
+}
+
+int route_num_warps(int64_t num_local) {
+  MEGAMOE_CHECK_ARG(num_local > 0, "route: expected num_local_experts > 0, got ", num_local);
+  const int64_t hist_bytes_per_warp = num_local * static_cast<int64_t>(sizeof(int32_t));
+  // Static shared memory of the kernel (warp totals) is small; keep a margin for it.
+  constexpr int64_t kStaticSmemMargin = 1024;
+  const int64_t budget = cuda::device_info().smem_per_block_optin - kStaticSmemMargin;
+  const int64_t warps = std::min<int64_t>(kRouteMaxWarps, budget / hist_bytes_per_warp);
+  MEGAMOE_CHECK(warps >= 1, ErrorCode::kUnsupported, "route: ", num_local,
+                " local experts need ", hist_bytes_per_warp,
+                " bytes of shared memory per warp; the device offers ", budget);
+  return static_cast<int>(warps);
+}
+
+void launch_route(const RouteParams& params, cudaStream_t stream) {
+  MEGAMOE_CHECK_ARG(params.num_slots >= 0 && params.num_slots <= INT32_MAX,
+                    "route: expected 0 <= T*K <= 2^31-1, got ", params.num_slots);
+  MEGAMOE_CHECK_ARG(params.num_local > 0 && params.first_local >= 0 &&
+                        params.first_local + params.num_local <= params.num_experts,
+                    "route: local experts [", params.first_local, ", ",
+                    params.first_local + params.num_local, ") do not lie in [0, ",
+                    params.num_experts, ")");
+  const int num_warps = route_num_warps(params.num_local);
+  const size_t smem = static_cast<size_t>(num_warps) * params.num_local * sizeof(int32_t);
+  // NOTES: the opt-in attribute is a per-function property; setting it every launch is cheap and
+  // legal during graph capture (it is not a stream operation).
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(sm90_route_topk_kernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+  sm90_route_topk_kernel<<<1, kRouteMaxWarps * kWarpSize, smem, stream>>>(params, num_warps);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_offsets,
+                   const int32_t* row_slot, int64_t num_local, int64_t top_k, int64_t hidden,
+                   int64_t max_rows, uint16_t* act, cudaStream_t stream) {
+  MEGAMOE_CHECK_ARG(hidden > 0 && hidden % kScaleBlock == 0,
+                    "gather: expected hidden a positive multiple of ", kScaleBlock, ", got ", hidden);
+  MEGAMOE_CHECK_ARG(top_k > 0, "gather: expected top_k > 0, got ", top_k);
+  if (max_rows == 0) return;
+  check_aligned("gather x_q", x_q, 8);
+  check_aligned("gather act", act, 16);
+  const int64_t work = max_rows * (hidden / kGatherVec);
+  sm90_gather_dequant_e4m3_bf16_kernel<<<grid_for(work, kGatherBlockThreads), kGatherBlockThreads,
+                                         0, stream>>>(x_q, x_sf, row_offsets, row_slot,
+                                                      static_cast<int32_t>(num_local),
+                                                      static_cast<int32_t>(top_k), hidden,
+                                                      max_rows, act);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
+}
+
+void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num_tokens,
+                    int64_t top_k, int64_t hidden, uint16_t* y, cudaStream_t stream) {
+  MEGAMOE_CHECK_ARG(hidden > 0 && hidden % kCombineVec == 0,
+                    "combine: expected hidden a positive multiple of ", kCombineVec, ", got ",
+                    hidden);
+  MEGAMOE_CHECK_ARG(top_k > 0, "combine: expected top_k > 0, got ", top_k);
+  if (num_tokens == 0) return;
+  check_aligned("combine out", out, 16);
+  check_aligned("combine y", y, 16);
+  const int64_t work = num_tokens * (hidden / kCombineVec);
+  sm90_combine_topk_bf16_kernel<<<grid_for(work, kCombineBlockThreads), kCombineBlockThreads, 0,
+                                  stream>>>(out, slot_to_row, num_tokens,
+                                            static_cast<int32_t>(top_k), hidden, y);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace megamoe::sm90

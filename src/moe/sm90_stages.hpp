@@ -1,0 +1,41 @@
+// sm90_stages.hpp: launchers of the non-GEMM stages of the Hopper layer (kernels/sm90/).
+//
+//   quantize  x bf16 [T, H] -> x_q e4m3 [T, H], x_sf ue8m0 [T, H/32]           (numerics.md 2)
+//   route     topk_idx/weights [T, K] -> row_offsets [E_l+1], slot_to_row [T*K],
+//             row_slot / row_weights [T*K]; invalid ids recorded in a RouteError
+//   gather    x_q, x_sf, row_slot -> act bf16 [rows, H] (exact dequantization; L1's B operand)
+//   combine   out bf16 [rows, H], slot_to_row -> y bf16 [T, H]                  (numerics.md 6)
+//
+// All launchers are asynchronous on `stream`, allocate nothing and never synchronize, so a layer
+// call made of them can be captured in a CUDA graph. Pointers are device pointers; each launcher
+// checks its host-known arguments (sizes, alignment) and throws kInvalidArgument naming them.
+#pragma once
+
+#include <cstdint>
+
+#if defined(MEGAMOE_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include "sm90/sm90_route.cuh"
+
+namespace megamoe::sm90 {
+
+void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden, uint8_t* x_q,
+                           uint8_t* x_sf, cudaStream_t stream);
+
+// Largest warp count whose histograms fit in shared memory for `num_local` experts
+// (>= 1; throws kUnsupported when not even one warp's histogram fits).
+int route_num_warps(int64_t num_local);
+
+void launch_route(const RouteParams& params, cudaStream_t stream);
+
+// max_rows: host-known bound on routed rows (T * K).
+void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_offsets,
+                   const int32_t* row_slot, int64_t num_local, int64_t top_k, int64_t hidden,
+                   int64_t max_rows, uint16_t* act, cudaStream_t stream);
+
+void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num_tokens,
+                    int64_t top_k, int64_t hidden, uint16_t* y, cudaStream_t stream);
+
+}  // namespace megamoe::sm90
+#endif  // MEGAMOE_WITH_CUDA
