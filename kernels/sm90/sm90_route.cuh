@@ -32,30 +32,9 @@
 
 #include <cstdint>
 
+#include "sm90/sm90_route_types.hpp"
+
 namespace megamoe::sm90 {
-
-constexpr int kRouteMaxWarps = 32;
-constexpr int kWarpSize = 32;
-constexpr unsigned long long kRouteNoError = ~0ull;
-
-struct RouteError {
-  unsigned long long first_bad;  // (slot << 32) | uint32(id) of the smallest invalid slot, or kRouteNoError
-  unsigned long long num_bad;    // invalid slots seen since the last reset
-};
-
-struct RouteParams {
-  const int32_t* topk_idx;
-  const float* topk_weights;
-  int64_t num_slots;        // T * K
-  int32_t num_experts;      // E (global)
-  int32_t first_local;      // global id of local expert 0
-  int32_t num_local;        // E_l
-  int32_t* row_offsets;
-  int32_t* slot_to_row;
-  int32_t* row_slot;
-  float* row_weights;
-  RouteError* error;
-};
 
 // Local expert of a slot, or -1. Records invalid ids.
 __device__ __forceinline__ int32_t route_local_expert(const RouteParams& p, int64_t slot) {
@@ -74,13 +53,13 @@ __device__ __forceinline__ int32_t route_local_expert(const RouteParams& p, int6
 
 // Block size kRouteMaxWarps * 32; the first `num_warps` warps take part in the passes.
 // Dynamic shared memory: num_warps * num_local int32.
-__global__ void __launch_bounds__(kRouteMaxWarps * kWarpSize)
+__global__ void __launch_bounds__(kRouteMaxWarps * kRouteWarpSize)
 sm90_route_topk_kernel(const RouteParams p, int num_warps) {
   extern __shared__ int32_t hist[];  // [num_warps][num_local]
   __shared__ int32_t warp_totals[kRouteMaxWarps];
   constexpr unsigned kFullMask = 0xFFFFFFFFu;
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kRouteWarpSize;
+  const int warp = threadIdx.x / kRouteWarpSize;
   const int num_local = p.num_local;
   const int hist_size = num_warps * num_local;
   const int64_t segment = (p.num_slots + num_warps - 1) / num_warps;
@@ -93,7 +72,7 @@ sm90_route_topk_kernel(const RouteParams p, int num_warps) {
     const int64_t begin = warp * segment;
     const int64_t end = min(begin + segment, p.num_slots);
     int32_t* my_hist = hist + warp * num_local;
-    for (int64_t s = begin + lane; s < end; s += kWarpSize) {
+    for (int64_t s = begin + lane; s < end; s += kRouteWarpSize) {
       const int32_t e = route_local_expert(p, s);
       if (e >= 0) atomicAdd(my_hist + e, 1);
     }
@@ -113,17 +92,17 @@ sm90_route_topk_kernel(const RouteParams p, int num_warps) {
   // Block-wide exclusive scan of local_sum: within warps by shuffles, then over warp totals.
   int32_t inclusive = local_sum;
 #pragma unroll
-  for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+  for (int offset = 1; offset < kRouteWarpSize; offset <<= 1) {
     const int32_t n = __shfl_up_sync(kFullMask, inclusive, offset);
     if (lane >= offset) inclusive += n;
   }
-  if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
+  if (lane == kRouteWarpSize - 1) warp_totals[warp] = inclusive;
   __syncthreads();
-  const int num_block_warps = blockDim.x / kWarpSize;
+  const int num_block_warps = blockDim.x / kRouteWarpSize;
   if (warp == 0) {
     int32_t t = lane < num_block_warps ? warp_totals[lane] : 0;
 #pragma unroll
-    for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+    for (int offset = 1; offset < kRouteWarpSize; offset <<= 1) {
       const int32_t n = __shfl_up_sync(kFullMask, t, offset);
       if (lane >= offset) t += n;
     }
@@ -148,7 +127,7 @@ sm90_route_topk_kernel(const RouteParams p, int num_warps) {
     const int64_t end = min(begin + segment, p.num_slots);
     int32_t* my_cursor = hist + warp * num_local;
     const unsigned lanes_below = (1u << lane) - 1u;
-    for (int64_t chunk = begin; chunk < end; chunk += kWarpSize) {
+    for (int64_t chunk = begin; chunk < end; chunk += kRouteWarpSize) {
       const int64_t s = chunk + lane;
       const bool in_range = s < end;
       // NOTES: pass 2 must not record errors twice; it re-reads the id and maps invalid ones to -1.

@@ -75,7 +75,7 @@ void launch_route(const RouteParams& params, cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(sm90_route_topk_kernel,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
-  sm90_route_topk_kernel<<<1, kRouteMaxWarps * kWarpSize, smem, stream>>>(params, num_warps);
+  sm90_route_topk_kernel<<<1, kRouteMaxWarps * kRouteWarpSize, smem, stream>>>(params, num_warps);
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -16,7 +16,7 @@
 #if defined(MEGAMOE_WITH_CUDA)
 #include <cuda_runtime.h>
 
-#include "sm90/sm90_route.cuh"
+#include "sm90/sm90_route_types.hpp"
 
 namespace megamoe::sm90 {
 

@@ -1,0 +1,33 @@
+// sm90_route_types.hpp: the host/device ABI of the routing stage (sm90_route.cuh): the kernel's
+// POD parameter block and the device-side record of invalid expert ids. Host code (launchers,
+// the layer, tests) includes this header, never the kernel itself.
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe::sm90 {
+
+constexpr int kRouteMaxWarps = 32;
+constexpr int kRouteWarpSize = 32;
+constexpr unsigned long long kRouteNoError = ~0ull;
+
+struct RouteError {
+  unsigned long long first_bad;  // (slot << 32) | uint32(id) of the smallest invalid slot, or kRouteNoError
+  unsigned long long num_bad;    // invalid slots seen since the last reset
+};
+
+struct RouteParams {
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  int64_t num_slots;        // T * K
+  int32_t num_experts;      // E (global)
+  int32_t first_local;      // global id of local expert 0
+  int32_t num_local;        // E_l
+  int32_t* row_offsets;
+  int32_t* slot_to_row;
+  int32_t* row_slot;
+  float* row_weights;
+  RouteError* error;
+};
+
+}  // namespace megamoe::sm90
