@@ -1,6 +1,11 @@
 // megamoe/reference.hpp: the CPU implementation of the contract, the FP64 ideal MoE and the
 // diff metric (numerics.md sections 2-8). Plain C++, multi-threaded, deterministic: results do
-// not depend on the thread count.
+// not depend on the thread count (megamoe/parallel.hpp sets it).
+//
+// Expert parallelism: every function here computes the rank's local experts only
+// ([ep_rank * E_l, (ep_rank + 1) * E_l)); slots routed to other ranks' experts are skipped, so
+// with ep_size > 1, y holds this rank's contribution (the trace's per-slot o lets a caller
+// combine several ranks exactly). With ep_size = 1 every expert is local.
 #pragma once
 
 #include <cstdint>
@@ -37,9 +42,14 @@ void reference_forward_quantized(const LayerConfig& config, const MoeWeights& we
 
 // L2 and combine from given intermediates (h_q [T*K, I], h_sf [T*K, I/32]): lets an exact-mode
 // test recompute L2 from a backend's own intermediate (numerics.md section 8).
+// Weights with an L2 bias need the routing weights (the bias is added as w[t,k] * bias): use the
+// overload below; this one throws kInvalidArgument for them.
 void reference_l2_combine(const LayerConfig& config, const MoeWeights& weights,
                           const uint8_t* h_q, const uint8_t* h_sf, const int32_t* topk_idx,
                           int64_t num_tokens, uint16_t* y);
+void reference_l2_combine(const LayerConfig& config, const MoeWeights& weights,
+                          const uint8_t* h_q, const uint8_t* h_sf, const int32_t* topk_idx,
+                          const float* topk_weights, int64_t num_tokens, uint16_t* y);
 
 // The unquantized FP64 MoE: BF16 x, dequantized weights, no intermediate quantization, exact
 // activation in FP64. y: fp64 [T, H].
