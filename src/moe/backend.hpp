@@ -1,0 +1,60 @@
+// backend.hpp: what a MoeLayer backend implements, and the factories layer.cpp knows.
+//
+// MoeLayer (src/moe/layer.cpp) checks every TensorView (dtype, shape, contiguity, device, null
+// data) and the capacity, then calls LayerBackend::forward with raw pointers:
+//   x            bf16  [T, H]   on device()
+//   topk_idx     int32 [T, K]   ids not yet checked: a backend must never index with an invalid
+//                               one and must report it (kOutOfRange naming token and slot)
+//   topk_weights fp32  [T, K]
+//   y            bf16  [T, H]   written in full
+//   0 <= T <= config().max_tokens_per_rank (T = 0 is a valid call: EP ranks all take part)
+//
+// Backends, best first:
+//   sm90  src/moe/sm90_layer.cu   Hopper kernels; needs a CUDA build and a compute-capability 9.0
+//                                 device (megamoe::sm90_available())
+//   cpu   src/moe/backend_cpu.cpp the reference of the contract (reference/), any machine
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "megamoe/config.hpp"
+#include "megamoe/tensor.hpp"
+#include "megamoe/weights.hpp"
+
+namespace megamoe::detail {
+
+class LayerBackend {
+ public:
+  LayerBackend(std::string name, const LayerConfig& config, MoeWeights weights, Device device)
+      : name_(std::move(name)), config_(config), weights_(std::move(weights)), device_(device) {}
+  virtual ~LayerBackend() = default;
+  LayerBackend(const LayerBackend&) = delete;
+  LayerBackend& operator=(const LayerBackend&) = delete;
+
+  // stream: a cudaStream_t for GPU backends (nullptr = legacy default stream).
+  virtual void forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
+                       int64_t num_tokens, uint16_t* y, void* stream) = 0;
+
+  const std::string& name() const { return name_; }
+  const LayerConfig& config() const { return config_; }
+  const MoeWeights& weights() const { return weights_; }
+  Device device() const { return device_; }
+
+ protected:
+  std::string name_;
+  LayerConfig config_;
+  MoeWeights weights_;  // in the backend's layout, on device_ (after preparation)
+  Device device_;
+};
+
+// The CPU backend: canonical weights on the host (copied there if given on a device).
+std::unique_ptr<LayerBackend> make_cpu_backend(const LayerConfig& config, MoeWeights&& weights);
+
+#if defined(MEGAMOE_WITH_CUDA)
+// Defined in src/moe/sm90_layer.cu. Prepares `weights` for the sm90 layout on the current
+// device; throws kUnsupported when no compute-capability 9.0 device is present.
+std::unique_ptr<LayerBackend> make_sm90_backend(const LayerConfig& config, MoeWeights&& weights);
+#endif
+
+}  // namespace megamoe::detail
