@@ -1,0 +1,363 @@
+#!/usr/bin/env python3
+"""megamoe against its peers on one GPU, in one run (issue 5; targets.md, "Peers" and protocol).
+
+    python3 bench/peers/compare.py --megamoe-bin build/megamoe --out results/
+
+1. re-measures the ceilings (copy, BF16 and FP8 GEMM) in this run;
+2. runs `<megamoe-bin> bench --json <--megamoe-args>` and keeps its JSON lines (missing binary or a
+   failing bench is recorded as such; the peers still run);
+3. runs each peer on each shape in its own child process with a time limit (worker.py): same seeds,
+   so every peer sees the same weights, x and routing; each point is checked against the torch
+   contract reference (reference.py) before it is timed;
+4. writes <out>/peers.jsonl (every record, the environment first), <out>/table.md and
+   <out>/peers.png (time vs tokens, log-log, one line per system, the floor drawn), and prints the
+   table: median and min us, effective TFLOP/s, fraction of floor, megamoe/peer time ratio, check.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from common import SHAPES, TOKEN_COUNTS, effective_tflops, floors  # noqa: E402
+
+PEERS = ('torch-bf16', 'deepgemm-fp8', 'deepgemm-mega', 'triton-mxfp4')
+DEFAULT_SHAPES = ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b')
+MEGAMOE = 'megamoe'
+PYLIB = os.path.join(REPO, '.whl', 'pylib')       # extracted pure-Python peers (fetch_wheels.sh)
+CARRIED_JIT_CACHE = os.path.join(REPO, '.whl', 'dg_jit_cache')   # DeepGEMM cubins of an earlier run
+JIT_CACHE = '/tmp/megamoe_peers_dg_jit_cache'
+
+# Aliases accepted in `megamoe bench --json` lines (the harness is built in parallel; see README).
+KEY_ALIASES = {
+    'shape': ('shape', 'shape_name'),
+    'tokens': ('tokens', 'num_tokens', 'T', 't'),
+    'routing': ('routing', 'routing_kind'),
+    'median_us': ('median_us', 'time_us', 'us', 'median'),
+    'min_us': ('min_us', 'min'),
+}
+
+
+def run_cmd(cmd, timeout):
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or '')
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or '')
+        return 'timeout', out, err
+    except OSError as exc:
+        return f'oserror: {exc}', '', ''
+
+
+def environment() -> dict:
+    env = {'system': 'environment', 'date': datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    rc, out, _ = run_cmd(['nvidia-smi', '--query-gpu=name,driver_version,clocks.sm,clocks.mem,'
+                          'clocks.max.sm,clocks.max.mem,power.limit', '--format=csv,noheader'], 30)
+    if rc == 0 and out.strip():
+        keys = ('gpu', 'driver', 'clock_sm', 'clock_mem', 'clock_max_sm', 'clock_max_mem', 'power_limit')
+        env.update(dict(zip(keys, [s.strip() for s in out.strip().splitlines()[0].split(',')])))
+    rc, out, _ = run_cmd(['git', '-C', REPO, 'rev-parse', 'HEAD'], 30)
+    env['git_rev'] = out.strip() if rc == 0 and out.strip() else os.environ.get('MEGAMOE_GIT_REV', 'unknown')
+    rc, out, _ = run_cmd(['git', '-C', REPO, 'status', '--porcelain', '--untracked-files=no'], 30)
+    env['git_dirty'] = bool(out.strip()) if rc == 0 else None
+    try:
+        import torch
+        env['torch'] = torch.__version__
+        env['cuda'] = torch.version.cuda
+    except Exception as exc:
+        env['torch'] = f'unavailable: {exc}'
+    for mod in ('deep_gemm', 'triton', 'triton_kernels'):
+        try:
+            m = __import__(mod)
+            env[mod] = getattr(m, '__version__', 'present')
+        except Exception as exc:
+            env[mod] = f'unavailable: {type(exc).__name__}: {exc}'[:200]
+    return env
+
+
+def _get(rec: dict, key: str):
+    for k in KEY_ALIASES[key]:
+        if k in rec:
+            return rec[k]
+    return None
+
+
+def run_megamoe(args, shapes, tokens, log) -> list[dict]:
+    base = {'system': MEGAMOE}
+    missing = []
+    if not args.megamoe_bin or not os.path.isfile(args.megamoe_bin):
+        reason = f'megamoe binary not found at {args.megamoe_bin!r}'
+    else:
+        cmd = [args.megamoe_bin, 'bench', '--json', *shlex.split(args.megamoe_args)]
+        print('running:', shlex.join(cmd), flush=True)
+        t0 = time.time()
+        rc, out, err = run_cmd(cmd, args.megamoe_timeout)
+        with open(os.path.join(args.out, 'megamoe_bench.log'), 'w') as f:
+            f.write(f'$ {shlex.join(cmd)}\nrc={rc} ({time.time() - t0:.1f} s)\n--- stdout\n{out}\n--- stderr\n{err}\n')
+        recs = []
+        for line in out.splitlines():
+            line = line.strip()
+            if not line.startswith('{'):
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            shape, t, us = _get(r, 'shape'), _get(r, 'tokens'), _get(r, 'median_us')
+            if shape is None or t is None or us is None:
+                continue
+            rec = {**base, 'status': 'ok', 'shape': shape, 'tokens': int(t),
+                   'routing': _get(r, 'routing') or 'uniform', 'median_us': float(us),
+                   'min_us': _get(r, 'min_us'), 'raw': r}
+            if shape in SHAPES:
+                sh = SHAPES[shape]
+                rec['tflops'] = effective_tflops(sh, int(t), float(us))
+                rec['floor_us'] = floors(sh, int(t))['floor_us']
+                rec['fraction_of_floor'] = rec['floor_us'] / float(us)
+            recs.append(rec)
+        if recs:
+            if rc != 0:
+                print(f'megamoe bench exited {rc}; keeping its {len(recs)} result lines', flush=True)
+            return recs
+        reason = f'megamoe bench gave no result lines (rc={rc}; stderr: {err.strip()[-300:]})'
+    print('megamoe:', reason, flush=True)
+    for s in shapes:
+        for t in tokens:
+            missing.append({**base, 'shape': s, 'tokens': t, 'routing': 'uniform', 'status': 'missing',
+                            'reason': reason})
+    return missing
+
+
+def peer_env() -> dict:
+    env = dict(os.environ)
+    if os.path.isdir(PYLIB):
+        env['PYTHONPATH'] = PYLIB + os.pathsep + env.get('PYTHONPATH', '')
+    env.setdefault('PYTHONUNBUFFERED', '1')
+    env.setdefault('NCCL_NVLS_ENABLE', '0')
+    env.setdefault('TORCH_SYMM_MEM_DISABLE_MULTICAST', '1')
+    # DeepGEMM's JIT cache: start from the carried one (if any) so a fresh machine skips compiles.
+    if 'DG_JIT_CACHE_DIR' not in env:
+        env['DG_JIT_CACHE_DIR'] = JIT_CACHE
+        if os.path.isdir(CARRIED_JIT_CACHE) and not os.path.isdir(JIT_CACHE):
+            shutil.copytree(CARRIED_JIT_CACHE, JIT_CACHE)
+    return env
+
+
+def collect(peer, shape, tokens, part, rc, log) -> list[dict]:
+    got = []
+    if os.path.exists(part):
+        with open(part) as f:
+            got = [json.loads(line) for line in f if line.strip()]
+    done = {r['tokens'] for r in got}
+    for t in tokens:
+        if t not in done:
+            tail = log.strip().splitlines()[-3:] if log.strip() else []
+            got.append({'system': peer, 'shape': shape, 'tokens': t, 'routing': 'uniform',
+                        'status': 'error', 'reason': f'worker rc={rc}: ' + ' | '.join(tail)[-400:]})
+    return sorted(got, key=lambda r: r['tokens'])
+
+
+def run_peers(args, shapes, tokens) -> list[dict]:
+    """One child per (peer, shape), sequentially (timings count); --parallel N runs N at once, which
+    is only for checking correctness and warming the JIT caches: its times are marked and not valid."""
+    env = peer_env()
+    jobs = []
+    for peer in args.peers.split(','):
+        for shape in shapes:
+            part = os.path.join(args.out, f'{peer}_{shape}.jsonl')
+            if os.path.exists(part):
+                os.remove(part)
+            cmd = [sys.executable, os.path.join(HERE, 'worker.py'), '--peer', peer, '--shape', shape,
+                   '--tokens', ','.join(map(str, tokens)), '--out', part,
+                   '--budget-s', str(args.peer_timeout * 0.8), '--point-budget-s', str(args.point_budget_s)]
+            jobs.append((peer, shape, part, cmd))
+    records = []
+    pending = list(jobs)
+    running = []
+    while pending or running:
+        while pending and len(running) < max(1, args.parallel):
+            peer, shape, part, cmd = pending.pop(0)
+            logf = open(os.path.join(args.out, f'{peer}_{shape}.log'), 'w+')
+            logf.write(f'$ {shlex.join(cmd)}\n')
+            logf.flush()
+            print(f'[{peer} / {shape}] started', flush=True)
+            proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, text=True)
+            running.append((peer, shape, part, proc, logf, time.time()))
+        time.sleep(0.2)
+        for item in list(running):
+            peer, shape, part, proc, logf, t0 = item
+            rc = proc.poll()
+            if rc is None and time.time() - t0 > args.peer_timeout:
+                proc.kill()
+                proc.wait()
+                rc = 'timeout'
+            if rc is None:
+                continue
+            running.remove(item)
+            logf.seek(0)
+            log = logf.read()
+            logf.write(f'\nrc={rc} ({time.time() - t0:.1f} s)\n')
+            logf.close()
+            got = collect(peer, shape, tokens, part, rc, log)
+            if args.parallel > 1:
+                for r in got:
+                    r['parallel_run'] = True
+                    if r.get('status') == 'ok':
+                        r['status'] = 'ok-parallel'
+                        r['reason'] = 'timed while other peers ran (--parallel): not a valid time'
+            print(f'[{peer} / {shape}] rc={rc} in {time.time() - t0:.1f} s', flush=True)
+            for r in got:
+                print('   ', summarize(r), flush=True)
+            records += got
+    return records
+
+
+def summarize(r: dict) -> str:
+    if r.get('status') not in ('ok', 'ok-parallel'):
+        return f"T={r['tokens']}: {r.get('status')}: {r.get('reason', '')}"
+    return (f"T={r['tokens']}: {r['median_us']:.1f} us, {r.get('tflops', 0):.1f} TFLOP/s, "
+            f"check {r.get('check')} (diff {r.get('diff_vs_ideal', float('nan')):.2e}, "
+            f"worst row {r.get('worst_row_diff_vs_ideal', float('nan')):.2e}), {r.get('mode')}")
+
+
+def fmt(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) else '-'
+
+
+def make_table(records, shapes, tokens) -> str:
+    mm = {(r['shape'], r['tokens'], r.get('routing', 'uniform')): r
+          for r in records if r['system'] == MEGAMOE and r.get('status') == 'ok'}
+    lines = ['| shape | T | routing | system | median us | min us | TFLOP/s | floor us | frac of floor '
+             '| megamoe/peer | check: diff vs FP64 ideal (worst row) | status |',
+             '|---|---|---|---|---|---|---|---|---|---|---|---|']
+    systems = [MEGAMOE] + [p for p in PEERS if any(r['system'] == p for r in records)]
+    for s in shapes:
+        for t in tokens:
+            fl = floors(SHAPES[s], t)['floor_us']
+            for sysname in systems:
+                rows = [r for r in records if r['system'] == sysname and r['shape'] == s and r['tokens'] == t]
+                for r in sorted(rows, key=lambda r: r.get('routing', '')):
+                    ok = r.get('status') == 'ok'
+                    ratio = '-'
+                    m = mm.get((s, t, 'uniform'))
+                    if ok and sysname != MEGAMOE and m:
+                        ratio = f"{m['median_us'] / r['median_us']:.2f}"
+                    check = '-'
+                    if 'diff_vs_ideal' in r:
+                        check = f"{r.get('check')}: {r['diff_vs_ideal']:.1e} ({r['worst_row_diff_vs_ideal']:.1e})"
+                    status = 'ok' if ok else f"{r.get('status')}: {r.get('reason', '')}"
+                    if ok and r.get('mode') and r['mode'] != 'cuda_graph':
+                        status += f" ({r['mode']})"
+                    lines.append(f"| {s} | {t} | {r.get('routing', 'uniform')} | {sysname} | "
+                                 f"{fmt(r.get('median_us'), '.1f')} | {fmt(r.get('min_us'), '.1f')} | "
+                                 f"{fmt(r.get('tflops'), '.1f')} | {fl:.1f} | {fmt(r.get('fraction_of_floor'), '.2f')} | "
+                                 f"{ratio} | {check} | {status} |")
+    return '\n'.join(lines)
+
+
+def make_plot(records, shapes, tokens, path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        return f'no plot: matplotlib unavailable ({exc})'
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6.5 * len(shapes), 5), squeeze=False)
+    for ax, s in zip(axes[0], shapes):
+        ax.plot(tokens, [floors(SHAPES[s], t)['floor_us'] for t in tokens], 'k--', lw=2, label='floor (targets.md)')
+        series = {}
+        for r in records:
+            if r.get('shape') == s and r.get('status') == 'ok' and r.get('check', 'pass') == 'pass':
+                key = r['system'] + ('' if r.get('routing', 'uniform') == 'uniform' else f" ({r['routing']})")
+                series.setdefault(key, []).append((r['tokens'], r['median_us']))
+        for key, pts in sorted(series.items()):
+            pts.sort()
+            style = ':' if '(' in key else '-'
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker='o', label=key)
+        ax.set_xscale('log')
+        ax.set_yscale('log')
+        sh = SHAPES[s]
+        ax.set_title(f'{s}: H={sh.hidden} I={sh.intermediate} E={sh.bench_experts} K={sh.top_k}, uniform routing')
+        ax.set_xlabel('tokens per rank')
+        ax.set_ylabel('time per layer (us, median)')
+        ax.grid(True, which='both', alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--megamoe-bin', default=os.path.join(REPO, 'build', 'megamoe'))
+    ap.add_argument('--megamoe-args', default='',
+                    help='extra arguments after `megamoe bench --json` (shapes, tokens, routings, experts)')
+    ap.add_argument('--megamoe-timeout', type=float, default=240.0)
+    ap.add_argument('--out', default=os.path.join(REPO, 'results'))
+    ap.add_argument('--shapes', default=','.join(DEFAULT_SHAPES))
+    ap.add_argument('--tokens', default=','.join(map(str, TOKEN_COUNTS)))
+    ap.add_argument('--peers', default=','.join(PEERS))
+    ap.add_argument('--peer-timeout', type=float, default=150.0, help='seconds per (peer, shape) child process')
+    ap.add_argument('--point-budget-s', type=float, default=0.25, help='timed seconds per point')
+    ap.add_argument('--skip-megamoe', action='store_true')
+    ap.add_argument('--parallel', type=int, default=1,
+                    help='children at once; > 1 only to check correctness / warm JIT caches (times invalid)')
+    args = ap.parse_args()
+    shapes = args.shapes.split(',')
+    for s in shapes:
+        if s not in SHAPES:
+            ap.error(f'--shapes: unknown shape {s!r}; expected some of {sorted(SHAPES)}')
+    for p in args.peers.split(','):
+        if p not in PEERS:
+            ap.error(f'--peers: unknown peer {p!r}; expected some of {list(PEERS)}')
+    tokens = [int(t) for t in args.tokens.split(',')]
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+
+    if os.path.isdir(PYLIB):
+        sys.path.insert(0, PYLIB)
+    env = environment()
+    print(json.dumps(env), flush=True)
+    records = [env]
+    rc, out, err = run_cmd([sys.executable, os.path.join(HERE, 'worker.py'), '--ceilings'], 120)
+    ceil = [json.loads(l) for l in out.splitlines() if l.startswith('{')]
+    records += ceil or [{'system': 'ceilings', 'status': 'error', 'reason': f'rc={rc}: {err.strip()[-300:]}'}]
+    print('ceilings:', json.dumps(records[-1]), flush=True)
+    if args.skip_megamoe:
+        records += [{'system': MEGAMOE, 'shape': s, 'tokens': t, 'routing': 'uniform', 'status': 'missing',
+                     'reason': 'skipped (--skip-megamoe)'} for s in shapes for t in tokens]
+    else:
+        records += run_megamoe(args, shapes, tokens, None)
+    records += run_peers(args, shapes, tokens)
+
+    with open(os.path.join(args.out, 'peers.jsonl'), 'w') as f:
+        for r in records:
+            f.write(json.dumps(r, sort_keys=True) + '\n')
+    table = make_table(records, shapes, tokens)
+    header = (f"GPU {env.get('gpu', '?')}, driver {env.get('driver', '?')}, SM clock {env.get('clock_sm', '?')} "
+              f"(max {env.get('clock_max_sm', '?')}), torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')}, "
+              f"git {env.get('git_rev', '?')[:12]}{' (dirty)' if env.get('git_dirty') else ''}\n"
+              f"ceilings this run: {json.dumps({k: round(v, 2) for k, v in records[1].items() if isinstance(v, float)})}\n"
+              f"kimi-k3 runs E = {SHAPES['kimi-k3'].bench_experts} experts (EP8 per-rank work), the other shapes all "
+              f"experts; uniform routing, seeded; megamoe/peer < 1 means megamoe is faster.\n")
+    with open(os.path.join(args.out, 'table.md'), 'w') as f:
+        f.write(header + '\n' + table + '\n')
+    plot = make_plot(records, shapes, tokens, os.path.join(args.out, 'peers.png'))
+    print('\n' + header + '\n' + table, flush=True)
+    print(f'\nwrote {args.out}/peers.jsonl, table.md, {plot}; {time.time() - t_start:.0f} s in all', flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""CPU self-test of the peer harness (no GPU, no peer wheels needed):
+
+  - reference.py's quantizers on hand-made blocks (numerics.md sections 2 and 5);
+  - contract_forward against ideal_forward: diff in the FP8 x MXFP4 range of numerics.md section 8;
+  - the torch BF16 chain against the FP64 ideal;
+  - the DeepGEMM chain's dispatch / padding / combine glue (masked and contiguous layouts), with the
+    two DeepGEMM GEMMs replaced by a torch model of their documented semantics, so an indexing
+    mistake in the glue fails here rather than on the GPU.
+
+    python3 bench/peers/selftest.py      # exits non-zero on the first failed check
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+import reference  # noqa: E402
+
+FAILURES = []
+
+
+def check(cond: bool, what: str):
+    print(('ok   ' if cond else 'FAIL ') + what)
+    if not cond:
+        FAILURES.append(what)
+
+
+def test_quantizers():
+    x = torch.tensor([[1.0] * 31 + [1792.0]], dtype=torch.bfloat16)
+    q, sf, deq = reference.quantize_input(x)
+    check(int(sf[0, 0]) == 129, 'input scale byte: amax 1792 -> 2^2 -> 129')
+    check(float(deq[0, -1]) == 1792.0 and float(deq[0, 0]) == 1.0, 'input block dequantizes exactly')
+    tiny = torch.zeros((1, 32), dtype=torch.bfloat16)
+    _, sf, deq = reference.quantize_input(tiny)
+    # amax floor 1e-4: 2^ceil(log2(1e-4 / 448)) = 2^-22, byte 105
+    check(int(sf[0, 0]) == 127 - 22 and bool((deq == 0).all()), 'zero input: amax floor 1e-4 gives byte 105, zero codes')
+    v = torch.zeros((1, 64))
+    v[0, 32:] = torch.linspace(-3, 3, 32)
+    _, sf, deq = reference.requantize_intermediate(v)
+    check(int(sf[0, 0]) == 0 and bool((deq[0, :32] == 0).all()), 'zero intermediate block: byte 0, zero codes')
+    check(int(sf[0, 1]) == 127 - 7, 'intermediate amax 3 -> 2^ceil(log2(3/448)) = 2^-7')
+    big = torch.tensor([[1e30] + [0.0] * 31])
+    q, sf, _ = reference.requantize_intermediate(big)
+    check(float(q.float().abs().max()) <= common.E4M3_MAX, 'requantized codes saturate at 448')
+
+
+def small_shape(activation: str, bias: bool = False) -> common.Shape:
+    base = common.SHAPES['gpt-oss-120b' if bias else 'small']
+    return dataclasses.replace(base, hidden=256, intermediate=256, bench_experts=8, top_k=3, activation=activation)
+
+
+def test_reference_and_torch_chain():
+    from peer_torch import TorchBf16Chain
+    for act, bias in (('swiglu', False), ('situ', False), ('swiglu_oai', True)):
+        shape = small_shape(act, bias)
+        w = common.synthetic_weights(shape, 3, 'cpu')
+        inp = common.make_inputs(shape, 37, 5, 'cpu')
+        ideal = reference.ideal_forward(shape, w, inp.x, inp.topk_idx, inp.topk_weights)
+        con = reference.contract_forward(shape, w, inp.x, inp.topk_idx, inp.topk_weights)
+        c = common.compare(con, ideal, inp.topk_idx)
+        check(1e-5 < c['diff'] < 1e-2 and c['worst_row_diff'] < 3e-2,
+              f'{act}: contract vs FP64 ideal diff {c["diff"]:.2e} (worst row {c["worst_row_diff"]:.2e})')
+        y = TorchBf16Chain(shape, w).build(inp)()
+        c = common.compare(y, ideal, inp.topk_idx)
+        check(c['diff'] < 1e-4, f'{act}: torch BF16 chain vs FP64 ideal diff {c["diff"]:.2e}')
+        wrong = common.compare(y, ideal.roll(1, 0), inp.topk_idx)
+        check(wrong['diff'] > 0.1, f'{act}: the metric catches swapped rows (diff {wrong["diff"]:.2f})')
+
+
+def _fake_deep_gemm():
+    """Torch model of the two DeepGEMM calls the chain uses (SM90 recipe: 1x128 A, 128x128 B)."""
+    blk = 128
+
+    def deq_a(a, sf):
+        return a.float() * sf.repeat_interleave(blk, -1)
+
+    def deq_b(b, sf):
+        return b.float() * sf.repeat_interleave(blk, -2).repeat_interleave(blk, -1)
+
+    def masked(a, b, d, masked_m, expected_m):
+        (a, a_sf), (b, b_sf) = a, b
+        d.fill_(float('nan'))     # rows past masked_m are garbage for the kernel too
+        for g in range(a.shape[0]):
+            m = int(masked_m[g])
+            d[g, :m] = (deq_a(a[g, :m], a_sf[g, :m]) @ deq_b(b[g], b_sf[g]).T).to(d.dtype)
+
+    def contiguous(a, b, d, layout):
+        (a, a_sf), (b, b_sf) = a, b
+        assert a.shape[0] % blk == 0
+        d.fill_(float('nan'))
+        for start in range(0, a.shape[0], blk):
+            g = int(layout[start])
+            rows = slice(start, start + blk)
+            if g < 0:
+                continue
+            check_block = layout[rows]
+            assert bool(((check_block == g) | (check_block == -1)).all()), 'an M block mixes experts'
+            d[rows] = (deq_a(a[rows], a_sf[rows]) @ deq_b(b[g], b_sf[g]).T).to(d.dtype)
+
+    return types.SimpleNamespace(m_grouped_fp8_gemm_nt_masked=masked,
+                                 m_grouped_fp8_gemm_nt_contiguous=contiguous,
+                                 get_mk_alignment_for_contiguous_layout=lambda: blk)
+
+
+def test_deepgemm_glue():
+    import peer_deepgemm
+    peer_deepgemm._import_deep_gemm = _fake_deep_gemm
+    shape = small_shape('situ')
+    w = common.synthetic_weights(shape, 4, 'cpu')
+    peer = peer_deepgemm.DeepGemmFp8Chain(shape, w)
+    for t in (1, 5, 64, 200):
+        inp = common.make_inputs(shape, t, 6 + t, 'cpu')
+        ideal = reference.ideal_forward(shape, w, inp.x, inp.topk_idx, inp.topk_weights)
+        y = peer.build(inp)()
+        c = common.compare(y, ideal, inp.topk_idx)
+        check(not c['nan'] and c['diff'] < 1e-2,
+              f'deepgemm glue ({peer.layout_for(t)}, T={t}) vs FP64 ideal diff {c["diff"]:.2e}')
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    test_quantizers()
+    test_reference_and_torch_chain()
+    test_deepgemm_glue()
+    print(f'{len(FAILURES)} failed' if FAILURES else 'all passed')
+    return 1 if FAILURES else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
