@@ -1,0 +1,228 @@
+// sm90_layer.cu: the Hopper layer (see sm90_layer.hpp): construction (weights to the device and
+// into the sm90 layout, one workspace for the capacity) and the six-stage forward pass.
+#include "moe/sm90_layer.hpp"
+
+#include <algorithm>
+
+#include "megamoe/error.hpp"
+#include "moe/sm90_gemm.hpp"
+#include "moe/sm90_stages.hpp"
+#include "megamoe/prepare.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/cuda_device.hpp"
+
+namespace megamoe::sm90 {
+
+namespace {
+
+// Every workspace region starts on a 256-byte boundary (TMA needs 16, wide loads 16; 256 keeps
+// regions on separate cache-line groups).
+constexpr int64_t kWorkspaceAlign = 256;
+
+int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// Carves named regions out of one allocation: first pass sizes, second pass hands out pointers.
+class Carver {
+ public:
+  explicit Carver(uint8_t* base) : base_(base) {}
+  template <typename T>
+  T* take(int64_t count) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
+    offset_ = align_up(offset_ + count * static_cast<int64_t>(sizeof(T)), kWorkspaceAlign);
+    return p;
+  }
+  int64_t bytes() const { return offset_; }
+
+ private:
+  uint8_t* base_;
+  int64_t offset_ = 0;
+};
+
+WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64_t* bytes) {
+  const int64_t h = c.shape.hidden, inter = c.shape.intermediate, k = c.shape.top_k;
+  const int64_t t_max = c.max_tokens_per_rank;
+  const int64_t rows = max_rows + kRowSlack;
+  Carver carver(base);
+  WorkspaceView v;
+  v.x_q = carver.take<uint8_t>(t_max * h);
+  v.x_sf = carver.take<uint8_t>(t_max * h / kScaleBlock);
+  v.slot_to_row = carver.take<int32_t>(t_max * k);
+  v.row_offsets = carver.take<int32_t>(c.num_local_experts() + 1);
+  v.row_slot = carver.take<int32_t>(rows);
+  v.row_weights = carver.take<float>(rows);
+  // NOTES: act (L1's input) is dead once L1 has run, and out (L2's output) has the same shape,
+  // so they share storage: at Kimi-K3 capacity that saves ~0.9 GB of workspace.
+  v.act = carver.take<uint16_t>(rows * h);
+  v.out = v.act;
+  v.h_q = carver.take<uint8_t>(rows * inter);
+  v.h_sf = carver.take<uint8_t>(rows * inter / kScaleBlock);
+  v.h_act = carver.take<uint16_t>(rows * inter);
+  v.error = carver.take<RouteError>(1);
+  *bytes = carver.bytes();
+  return v;
+}
+
+}  // namespace
+
+const char* stage_name(Stage stage) {
+  switch (stage) {
+    case Stage::kQuantize: return "quantize";
+    case Stage::kRoute: return "route";
+    case Stage::kGather: return "gather";
+    case Stage::kL1: return "l1";
+    case Stage::kL2: return "l2";
+    case Stage::kCombine: return "combine";
+  }
+  return "?";
+}
+
+Sm90Layer::Sm90Layer(const LayerConfig& config, MoeWeights weights) : config_(config) {
+  config_.validate();
+  MEGAMOE_CHECK(sm90_available(cuda::current_device()), ErrorCode::kUnsupported,
+                "sm90 backend: needs a compute capability 9.0 GPU (H100/H200); ",
+                cuda_available() ? "the current device is " + cuda::device_info().name
+                                 : std::string("no CUDA device is available"));
+  device_ = cuda::current_device();
+  weights.check_matches(config_);
+  MEGAMOE_CHECK_ARG(config_.shape.top_k <= config_.shape.num_experts,
+                    "sm90 backend: expected top_k <= num_experts, got top_k ",
+                    config_.shape.top_k, " and ", config_.shape.num_experts, " experts");
+  const int64_t slots = config_.max_tokens_per_rank * config_.shape.top_k;
+  MEGAMOE_CHECK_ARG(slots <= INT32_MAX, "sm90 backend: max_tokens_per_rank * top_k = ", slots,
+                    " exceeds the int32 row index range");
+  route_num_warps(config_.num_local_experts());  // throws when the histograms cannot fit
+
+  // ---- weights: on this device, in the sm90 layout ----
+  const Device here = Device::cuda(device_);
+  if (weights.layout == kSm90LayoutName) {
+    MEGAMOE_CHECK_ARG(weights.device() == here, "sm90 backend: prepared weights must be on ",
+                      device_name(here), ", got ", device_name(weights.device()));
+    check_weights_layout(weights);
+  } else {
+    // NOTES: the layout transform runs on the GPU when the sm90 layout has a device
+    // implementation (upload first, then prepare in place with a bounded scratch); otherwise it
+    // runs on the host before the upload. Either way no second copy of the layer survives: each
+    // host buffer is released as soon as its device copy exists.
+    const WeightLayout& layout = find_layout(kSm90LayoutName);
+    const bool device_prep = layout.buffer(WeightBufferKind::kW13).forward_device != nullptr ||
+                             layout.buffer(WeightBufferKind::kW13).is_identity();
+    if (weights.device() != here && !device_prep) prepare(weights, kSm90LayoutName);
+    if (weights.device() != here) {
+      for (int b = 0; b < kNumWeightBuffers; ++b) {
+        Buffer& buf = weight_buffer(weights, static_cast<WeightBufferKind>(b));
+        if (buf.empty()) continue;
+        Buffer moved = buf.to(here);
+        buf = std::move(moved);
+      }
+    }
+    if (weights.layout != kSm90LayoutName) {
+      PrepareOptions options;
+      options.stream = nullptr;
+      prepare(weights, kSm90LayoutName, options);
+      MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+  }
+  weights_ = std::move(weights);
+
+  // ---- workspace, once, for the capacity ----
+  max_rows_ = slots;
+  int64_t bytes = 0;
+  carve(nullptr, config_, max_rows_, &bytes);
+  workspace_ = Buffer(bytes, here);
+  view_ = carve(workspace_.as<uint8_t>(), config_, max_rows_, &bytes);
+  // Slack rows are read (never written back) by GEMM tiles past the last row: keep them finite.
+  MEGAMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, static_cast<size_t>(bytes)));
+  const RouteError clean{kRouteNoError, 0};
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(view_.error, &clean, sizeof clean, cudaMemcpyHostToDevice));
+}
+
+Sm90Layer::~Sm90Layer() = default;
+
+void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
+                        int64_t num_tokens, uint16_t* y, cudaStream_t stream, Stage last) {
+  MEGAMOE_CHECK(num_tokens >= 0 && num_tokens <= config_.max_tokens_per_rank,
+                ErrorCode::kOutOfRange, "forward: expected 0 <= T <= max_tokens_per_rank (",
+                config_.max_tokens_per_rank, "), got T = ", num_tokens);
+  if (num_tokens == 0) return;  // nothing to read or write; every stage would be empty
+  const LayerShape& s = config_.shape;
+  const int64_t num_local = config_.num_local_experts();
+  const int64_t slots = num_tokens * s.top_k;
+  auto done = [&](Stage stage) { return static_cast<int>(stage) >= static_cast<int>(last); };
+
+  launch_quantize_input(x, num_tokens, s.hidden, view_.x_q, view_.x_sf, stream);
+  if (done(Stage::kQuantize)) return;
+
+  RouteParams rp{};
+  rp.topk_idx = topk_idx;
+  rp.topk_weights = topk_weights;
+  rp.num_slots = slots;
+  rp.num_experts = static_cast<int32_t>(s.num_experts);
+  rp.first_local = static_cast<int32_t>(config_.first_local_expert());
+  rp.num_local = static_cast<int32_t>(num_local);
+  rp.row_offsets = view_.row_offsets;
+  rp.slot_to_row = view_.slot_to_row;
+  rp.row_slot = view_.row_slot;
+  rp.row_weights = view_.row_weights;
+  rp.error = view_.error;
+  launch_route(rp, stream);
+  if (done(Stage::kRoute)) return;
+
+  launch_gather(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local, s.top_k,
+                s.hidden, slots, view_.act, stream);
+  if (done(Stage::kGather)) return;
+
+  L1Args l1;
+  l1.num_experts = static_cast<int>(num_local);
+  l1.hidden = s.hidden;
+  l1.intermediate = s.intermediate;
+  l1.max_rows = max_rows_;
+  l1.rows_bound = slots;
+  l1.row_offsets = view_.row_offsets;
+  l1.act = view_.act;
+  l1.row_weights = view_.row_weights;
+  l1.w13 = weights_.w13.as<uint8_t>();
+  l1.w13_sf = weights_.w13_sf.as<uint8_t>();
+  l1.w13_bias = weights_.has_bias() ? weights_.w13_bias.as<uint16_t>() : nullptr;
+  l1.activation = config_.activation;
+  l1.fast_math = config_.fast_math;
+  l1.h_q = view_.h_q;
+  l1.h_sf = view_.h_sf;
+  l1.h_act = view_.h_act;
+  launch_l1(l1, stream);
+  if (done(Stage::kL1)) return;
+
+  L2Args l2;
+  l2.num_experts = static_cast<int>(num_local);
+  l2.hidden = s.hidden;
+  l2.intermediate = s.intermediate;
+  l2.max_rows = max_rows_;
+  l2.rows_bound = slots;
+  l2.row_offsets = view_.row_offsets;
+  l2.h_act = view_.h_act;
+  l2.row_weights = view_.row_weights;
+  l2.w2 = weights_.w2.as<uint8_t>();
+  l2.w2_sf = weights_.w2_sf.as<uint8_t>();
+  l2.w2_bias = weights_.has_bias() ? weights_.w2_bias.as<uint16_t>() : nullptr;
+  l2.out = view_.out;
+  launch_l2(l2, stream);
+  if (done(Stage::kL2)) return;
+
+  launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream);
+}
+
+void Sm90Layer::check_errors(cudaStream_t stream) {
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  RouteError record{};
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(&record, view_.error, sizeof record, cudaMemcpyDeviceToHost));
+  if (record.num_bad == 0) return;
+  const RouteError clean{kRouteNoError, 0};
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(view_.error, &clean, sizeof clean, cudaMemcpyHostToDevice));
+  const int64_t slot = static_cast<int64_t>(record.first_bad >> 32);
+  const int32_t id = static_cast<int32_t>(static_cast<uint32_t>(record.first_bad & 0xFFFFFFFFu));
+  const int64_t k = config_.shape.top_k;
+  fail(ErrorCode::kOutOfRange, "topk_idx: expected global expert ids in [0, ",
+       config_.shape.num_experts, ") or -1, got ", id, " at token ", slot / k, " slot ", slot % k,
+       " (", record.num_bad, " invalid slot(s) since the last check; they were treated as empty)");
+}
+
+}  // namespace megamoe::sm90

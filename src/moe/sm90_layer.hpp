@@ -1,0 +1,97 @@
+// sm90_layer.hpp: the Hopper (sm_90a) MoE layer: weights in the sm90 layout, a workspace sized
+// once for the layer's capacity, and a forward pass of six stages on the caller's stream.
+//
+//   stage      kernel (kernels/sm90/)                   writes (workspace)
+//   quantize   sm90_quantize_input.cuh                  x_q [T, H] e4m3, x_sf [T, H/32]
+//   route      sm90_route.cuh                           row_offsets, slot_to_row, row_slot, row_weights
+//   gather     sm90_gather.cuh                          act [rows, H] bf16 (exact dequantized x_q)
+//   l1         sm90::launch_l1 (grouped GEMM + epilogue) h_q, h_sf, h_act
+//   l2         sm90::launch_l2 (grouped GEMM)           out [rows, H] bf16 (aliases act)
+//   combine    sm90_combine.cuh                         y [T, H] bf16 (the caller's)
+//
+// forward() allocates nothing and never synchronizes with the host, so a call can be captured in
+// a CUDA graph and replayed. Rows: the (token, slot) pairs routed to this rank, grouped by local
+// expert in ascending slot order (deterministic).
+//
+// Invalid expert ids (outside [0, E), not -1) are never used as indices: their slots count as
+// empty, and the route kernel records them in device memory. check_errors() synchronizes the
+// stream, reads that record, clears it and throws kOutOfRange naming the first bad token/slot.
+// MoeLayer calls it after each forward on its synchronous entry points; stream users call it
+// whenever they synchronize anyway (docs/design.md, "Errors raised inside a layer call").
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "megamoe/buffer.hpp"
+#include "megamoe/config.hpp"
+#include "megamoe/weights.hpp"
+
+#if defined(MEGAMOE_WITH_CUDA)
+#include <cuda_runtime.h>
+
+namespace megamoe::sm90 {
+
+struct RouteError;
+
+// The weight layout the Hopper kernels read (src/prep/sm90_layout.*, docs/layouts.md).
+constexpr const char* kSm90LayoutName = "sm90";
+
+enum class Stage : int { kQuantize = 0, kRoute, kGather, kL1, kL2, kCombine };
+constexpr int kNumLayerStages = 6;
+const char* stage_name(Stage stage);
+
+// Device pointers into the workspace (valid until the layer is destroyed). `rows` buffers hold
+// max_rows() rows plus kRowSlack. act and out share storage: L2 overwrites act.
+struct WorkspaceView {
+  uint8_t* x_q = nullptr;          // [T_max, H]
+  uint8_t* x_sf = nullptr;         // [T_max, H/32]
+  int32_t* slot_to_row = nullptr;  // [T_max * K]
+  int32_t* row_offsets = nullptr;  // [E_l + 1]
+  int32_t* row_slot = nullptr;     // [rows]
+  float* row_weights = nullptr;    // [rows]
+  uint16_t* act = nullptr;         // [rows, H]   L1 input, then L2 output (out)
+  uint16_t* out = nullptr;         // == act
+  uint8_t* h_q = nullptr;          // [rows, I]
+  uint8_t* h_sf = nullptr;         // [rows, I/32]
+  uint16_t* h_act = nullptr;       // [rows, I]
+  RouteError* error = nullptr;
+};
+
+class Sm90Layer {
+ public:
+  // `weights`: canonical (host or device; copied to the current device and prepared there) or
+  // already in the sm90 layout on the current device. Throws kUnsupported without an sm_90 GPU.
+  Sm90Layer(const LayerConfig& config, MoeWeights weights);
+  ~Sm90Layer();
+  Sm90Layer(const Sm90Layer&) = delete;
+  Sm90Layer& operator=(const Sm90Layer&) = delete;
+
+  // x bf16 [T, H], topk_idx int32 [T, K], topk_weights fp32 [T, K], y bf16 [T, H]: device
+  // pointers. Runs the stages up to and including `last` (the benchmark times stage prefixes).
+  void forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
+               int64_t num_tokens, uint16_t* y, cudaStream_t stream,
+               Stage last = Stage::kCombine);
+
+  // Synchronizes `stream`, then throws kOutOfRange if a forward since the last check saw invalid
+  // expert ids (the record is cleared first, so the next check starts clean).
+  void check_errors(cudaStream_t stream);
+
+  const LayerConfig& config() const { return config_; }
+  const MoeWeights& weights() const { return weights_; }
+  int device() const { return device_; }
+  int64_t max_rows() const { return max_rows_; }
+  int64_t workspace_bytes() const { return workspace_.size(); }
+  const WorkspaceView& workspace() const { return view_; }
+
+ private:
+  LayerConfig config_;
+  MoeWeights weights_;
+  int device_ = 0;
+  int64_t max_rows_ = 0;
+  Buffer workspace_;
+  WorkspaceView view_;
+};
+
+}  // namespace megamoe::sm90
+#endif  // MEGAMOE_WITH_CUDA

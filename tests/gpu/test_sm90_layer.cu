@@ -1,0 +1,518 @@
+// The whole Hopper layer against the CPU contract (numerics.md section 8, exact-mode checks).
+//
+// For every case:
+//  1. x_q / x_sf of the layer equal the CPU quantizer bit for bit.
+//  2. The GPU's own intermediate (h_q, h_sf) is fed to the CPU L2 + combine, slot by slot; the
+//     layer's y must match within a bound derived from summation order only:
+//       |y - y_cpu(h_gpu)| <= sum_k [ gamma * ||a_k|| * ||w2_e[n, :]|| + ulp(o_k) ] + ulp(y)
+//     gamma = kGammaC * sqrt(I) * 2^-24 (FP32 summation of I exact products in another order,
+//     with ||a|| ||w|| >= sum |a_j w_j| by Cauchy-Schwarz), ulp(o_k) for a BF16 rounding of each
+//     slot output that may flip, ulp(y) for the final rounding. The fraction of the bound used is
+//     printed.
+//  3. The GPU's h codes are compared with the CPU reference fed the same quantized x: a code may
+//     flip only to a neighbouring value (an L1 accumulator difference in the last bits can cross
+//     a rounding boundary), and flips must be rare (<= kMaxFlipFraction of the codes).
+//  4. y against the full CPU reference: diff metric (section 8) under kMaxDiff overall, for the
+//     worst row and the worst expert.
+// Large token counts compare a subset of tokens (every stride-th) with the CPU, since the CPU
+// reference of a 4096-token deepseek-v3 layer takes minutes; the GPU always computes all tokens.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "megamoe/config.hpp"
+#include "megamoe/parallel.hpp"
+#include "megamoe/quantize.hpp"
+#include "megamoe/reference.hpp"
+#include "megamoe/weights.hpp"
+#include "moe/sm90_layer.hpp"
+#include "sm90/sm90_route_types.hpp"
+#include "sm90_test_util.hpp"
+
+namespace megamoe::sm90 {
+namespace {
+
+using test::DeviceArray;
+using test::Routing;
+
+constexpr double kGammaC = 4.0;
+constexpr double kMaxFlipFraction = 1e-3;
+constexpr double kMaxDiff = 1e-4;      // y vs the full reference (flips included)
+constexpr int64_t kCapacity = 4096;   // max_tokens_per_rank of the test layers
+constexpr uint64_t kWeightSeed = 1234;
+
+double bf16_ulp(double v) {
+  v = std::fabs(v);
+  if (v < 1e-38) return std::ldexp(1.0, -133);
+  int e;
+  std::frexp(v, &e);  // v in [2^(e-1), 2^e)
+  return std::ldexp(1.0, e - 1 - 7);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shapes: host canonical weights (kept for the CPU reference) and per-row norms of W2.
+// ---------------------------------------------------------------------------------------------
+struct ShapeData {
+  LayerConfig base;
+  MoeWeights host;                      // canonical, for the reference
+  std::vector<double> w2_row_norm;      // [E_l, H]
+};
+
+MoeWeights clone_host(const MoeWeights& w) {
+  MoeWeights c;
+  c.num_local_experts = w.num_local_experts;
+  c.first_expert = w.first_expert;
+  c.hidden = w.hidden;
+  c.intermediate = w.intermediate;
+  c.layout = w.layout;
+  c.w13 = w.w13.to(Device::cpu());
+  c.w13_sf = w.w13_sf.to(Device::cpu());
+  c.w2 = w.w2.to(Device::cpu());
+  c.w2_sf = w.w2_sf.to(Device::cpu());
+  if (w.has_bias()) {
+    c.w13_bias = w.w13_bias.to(Device::cpu());
+    c.w2_bias = w.w2_bias.to(Device::cpu());
+  }
+  return c;
+}
+
+const ShapeData& shape_data(const std::string& name, int ep_size, int ep_rank, bool bias) {
+  static std::map<std::string, std::unique_ptr<ShapeData>> cache;
+  const std::string key = name + "/" + std::to_string(ep_size) + "/" + std::to_string(ep_rank) +
+                          (bias ? "/bias" : "");
+  auto it = cache.find(key);
+  if (it != cache.end()) return *it->second;
+  auto d = std::make_unique<ShapeData>();
+  d->base.shape = shape_preset(name);
+  d->base.ep_size = ep_size;
+  d->base.ep_rank = ep_rank;
+  d->base.max_tokens_per_rank = kCapacity;
+  d->base.activation = activation_preset(name);
+  d->host = synthetic_weights(d->base, kWeightSeed, bias);
+  const int64_t el = d->host.num_local_experts, h = d->host.hidden, inter = d->host.intermediate;
+  d->w2_row_norm.assign(static_cast<size_t>(el * h), 0.0);
+  const uint8_t* w2 = d->host.w2.as<uint8_t>();
+  const uint8_t* w2_sf = d->host.w2_sf.as<uint8_t>();
+  parallel_for(el * h, [&](int64_t row) {
+    double s = 0;
+    for (int64_t j = 0; j < inter; ++j) {
+      const double v = e2m1_to_f32(e2m1_unpack(w2 + row * inter / 2, j)) *
+                       ue8m0_to_f32(w2_sf[row * inter / kScaleBlock + j / kScaleBlock]);
+      s += v * v;
+    }
+    d->w2_row_norm[row] = std::sqrt(s);
+  });
+  return *cache.emplace(key, std::move(d)).first->second;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One case
+// ---------------------------------------------------------------------------------------------
+struct LayerCase {
+  std::string shape;
+  int ep_size = 1, ep_rank = 0;
+  int64_t tokens = 0;
+  Routing routing = Routing::kUniform;
+  std::string activation;     // "" = the shape's preset
+  bool fast_math = true;
+  bool bias = false;
+  double empty_fraction = 0.0;
+  int64_t max_checked_tokens = 1 << 30;  // compare a strided subset beyond this
+  std::string describe() const {
+    return shape + " ep " + std::to_string(ep_rank) + "/" + std::to_string(ep_size) + " T=" +
+           std::to_string(tokens) + " routing=" + test::routing_name(routing) + " act=" +
+           (activation.empty() ? "preset" : activation) + (fast_math ? " fast_math" : " exact_math") +
+           (bias ? " bias" : "") + " empty=" + std::to_string(empty_fraction);
+  }
+};
+
+struct LayerRun {
+  std::vector<uint16_t> y;
+  std::vector<uint8_t> x_q, x_sf;
+  std::vector<int32_t> slot_to_row;
+  std::vector<uint8_t> h_q, h_sf;  // row order
+};
+
+LayerRun download_run(const Sm90Layer& layer, int64_t t, const DeviceArray<uint16_t>& y) {
+  const LayerShape& s = layer.config().shape;
+  const WorkspaceView& v = layer.workspace();
+  LayerRun r;
+  r.y = y.download(t * s.hidden);
+  r.x_q = test::download(v.x_q, t * s.hidden);
+  r.x_sf = test::download(v.x_sf, t * s.hidden / kScaleBlock);
+  r.slot_to_row = test::download(v.slot_to_row, t * s.top_k);
+  const auto offsets = test::download(v.row_offsets, layer.config().num_local_experts() + 1);
+  const int64_t rows = offsets.back();
+  r.h_q = test::download(v.h_q, rows * s.intermediate);
+  r.h_sf = test::download(v.h_sf, rows * s.intermediate / kScaleBlock);
+  return r;
+}
+
+std::unique_ptr<Sm90Layer> make_layer(const LayerCase& c, LayerConfig* config_out) {
+  const ShapeData& sd = shape_data(c.shape, c.ep_size, c.ep_rank, c.bias);
+  LayerConfig config = sd.base;
+  if (!c.activation.empty()) config.activation = Activation::parse(c.activation);
+  config.fast_math = c.fast_math;
+  *config_out = config;
+  return std::make_unique<Sm90Layer>(config, clone_host(sd.host));
+}
+
+void run_case(const LayerCase& c, uint64_t seed) {
+  SCOPED_TRACE(c.describe());
+  LayerConfig config;
+  auto layer = make_layer(c, &config);
+  const ShapeData& sd = shape_data(c.shape, c.ep_size, c.ep_rank, c.bias);
+  const LayerShape& s = config.shape;
+  const int64_t t = c.tokens, k = s.top_k, h = s.hidden, inter = s.intermediate;
+  const int64_t first_local = config.first_local_expert(), el = config.num_local_experts();
+
+  const auto x = test::make_inputs(t, h, seed);
+  const auto routing = test::make_routing(c.routing, t, s.num_experts, k, seed, c.empty_fraction,
+                                          first_local);
+  DeviceArray<uint16_t> dx(x), dy(std::max<int64_t>(t, 1) * h);
+  DeviceArray<int32_t> didx(routing.idx);
+  DeviceArray<float> dw(routing.weights);
+  dy.fill_bytes(0xFF);  // poison: every element must be written
+  layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), nullptr);
+  layer->check_errors(nullptr);
+  if (t == 0) return;
+  const LayerRun run = download_run(*layer, t, dy);
+
+  // 1. quantized input, bit for bit.
+  std::vector<uint8_t> xq_ref(static_cast<size_t>(t * h)), xsf_ref(static_cast<size_t>(t * h / kScaleBlock));
+  quantize_input(x.data(), t, h, xq_ref.data(), xsf_ref.data());
+  ASSERT_EQ(run.x_q, xq_ref) << "x_q differs from the CPU quantizer";
+  ASSERT_EQ(run.x_sf, xsf_ref) << "x_sf differs from the CPU quantizer";
+
+  // The checked tokens: all, or a strided subset.
+  std::vector<int64_t> tokens;
+  const int64_t stride = std::max<int64_t>(1, (t + c.max_checked_tokens - 1) / c.max_checked_tokens);
+  for (int64_t i = 0; i < t; i += stride) tokens.push_back(i);
+  if (tokens.back() != t - 1) tokens.push_back(t - 1);
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<uint8_t> sub_xq(static_cast<size_t>(n * h)), sub_xsf(static_cast<size_t>(n * h / kScaleBlock));
+  std::vector<int32_t> sub_idx(static_cast<size_t>(n * k));
+  std::vector<float> sub_w(static_cast<size_t>(n * k));
+  std::vector<uint8_t> sub_hq(static_cast<size_t>(n * k * inter), 0), sub_hsf(static_cast<size_t>(n * k * inter / kScaleBlock), 0);
+  std::vector<uint16_t> sub_y(static_cast<size_t>(n * h));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t tok = tokens[i];
+    std::copy_n(xq_ref.begin() + tok * h, h, sub_xq.begin() + i * h);
+    std::copy_n(xsf_ref.begin() + tok * h / kScaleBlock, h / kScaleBlock, sub_xsf.begin() + i * h / kScaleBlock);
+    std::copy_n(routing.idx.begin() + tok * k, k, sub_idx.begin() + i * k);
+    std::copy_n(routing.weights.begin() + tok * k, k, sub_w.begin() + i * k);
+    std::copy_n(run.y.begin() + tok * h, h, sub_y.begin() + i * h);
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t row = run.slot_to_row[tok * k + j];
+      const int32_t id = routing.idx[tok * k + j];
+      const bool local = id >= first_local && id < first_local + el;
+      ASSERT_EQ(row >= 0, local) << "slot_to_row of token " << tok << " slot " << j;
+      if (row < 0) continue;
+      std::copy_n(run.h_q.begin() + int64_t(row) * inter, inter, sub_hq.begin() + (i * k + j) * inter);
+      std::copy_n(run.h_sf.begin() + int64_t(row) * inter / kScaleBlock, inter / kScaleBlock,
+                  sub_hsf.begin() + (i * k + j) * inter / kScaleBlock);
+    }
+  }
+
+  // CPU reference fed the same quantized input.
+  LayerConfig ref_config = config;
+  ReferenceTrace trace;
+  std::vector<uint16_t> y_ref(static_cast<size_t>(n * h));
+  reference_forward_quantized(ref_config, sd.host, sub_xq.data(), sub_xsf.data(), sub_idx.data(),
+                              sub_w.data(), n, y_ref.data(), &trace);
+
+  // 3. flips of intermediate codes.
+  int64_t flips = 0, codes = 0, bad_flips = 0;
+  std::string first_bad;
+  for (int64_t slot = 0; slot < n * k; ++slot) {
+    const int32_t id = sub_idx[slot];
+    if (id < first_local || id >= first_local + el) continue;
+    for (int64_t j = 0; j < inter; ++j) {
+      const size_t qi = static_cast<size_t>(slot * inter + j), si = static_cast<size_t>((slot * inter + j) / kScaleBlock);
+      ++codes;
+      if (sub_hq[qi] == trace.h_q[qi] && sub_hsf[si] == trace.h_sf[si]) continue;
+      ++flips;
+      const double a = e4m3_to_f32(sub_hq[qi]) * ue8m0_to_f32(sub_hsf[si]);
+      const double b = e4m3_to_f32(trace.h_q[qi]) * ue8m0_to_f32(trace.h_sf[si]);
+      const double step = std::max(std::fabs(a), std::fabs(b)) * 0.125 +
+                          std::ldexp(1.0, std::max<int>(sub_hsf[si], trace.h_sf[si]) - 127 - 9);
+      if (!(std::fabs(a - b) <= step * 1.0001)) {
+        if (bad_flips++ == 0)
+          first_bad = "slot " + std::to_string(slot) + " j " + std::to_string(j) + ": gpu " +
+                      std::to_string(a) + " cpu " + std::to_string(b);
+      }
+    }
+  }
+  EXPECT_EQ(bad_flips, 0) << "intermediate codes differ by more than one step; first: " << first_bad;
+  EXPECT_LE(flips, std::max<double>(2.0, kMaxFlipFraction * codes))
+      << flips << " of " << codes << " intermediate codes flipped";
+
+  // 2. L2 + combine recomputed on the CPU from the GPU's own intermediate, slot by slot.
+  std::vector<std::vector<uint16_t>> o_slot(static_cast<size_t>(k));
+  for (int64_t j = 0; j < k; ++j) {
+    std::vector<int32_t> only(sub_idx.size(), -1);
+    for (int64_t i = 0; i < n; ++i) only[i * k + j] = sub_idx[i * k + j];
+    o_slot[j].resize(static_cast<size_t>(n * h));
+    reference_l2_combine(ref_config, sd.host, sub_hq.data(), sub_hsf.data(), only.data(),
+                         sub_w.data(), n, o_slot[j].data());
+  }
+  const double gamma = kGammaC * std::sqrt(static_cast<double>(inter)) * std::ldexp(1.0, -24);
+  double worst_fraction = 0;
+  int64_t exact = 0, over = 0;
+  std::string worst;
+  const uint16_t* w2_bias = sd.host.has_bias() ? sd.host.w2_bias.as<uint16_t>() : nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<double> a_norm(static_cast<size_t>(k), 0.0);
+    for (int64_t j = 0; j < k; ++j) {
+      double ss = 0;
+      for (int64_t q = 0; q < inter; ++q) {
+        const size_t qi = static_cast<size_t>((i * k + j) * inter + q);
+        const double v = e4m3_to_f32(sub_hq[qi]) * ue8m0_to_f32(sub_hsf[qi / kScaleBlock]);
+        ss += v * v;
+      }
+      a_norm[j] = std::sqrt(ss);
+    }
+    for (int64_t col = 0; col < h; ++col) {
+      float sum = 0.0f;
+      double bound = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t id = sub_idx[i * k + j];
+        if (id < first_local || id >= first_local + el) continue;
+        const float o = bf16_to_f32(o_slot[j][i * h + col]);
+        sum += o;
+        double s_abs = a_norm[j] * sd.w2_row_norm[(id - first_local) * h + col];
+        if (w2_bias)
+          s_abs += std::fabs(sub_w[i * k + j] * bf16_to_f32(w2_bias[(id - first_local) * h + col]));
+        bound += gamma * s_abs + bf16_ulp(o);
+      }
+      const float want = bf16_round(sum);
+      bound += bf16_ulp(want);
+      const float got = bf16_to_f32(sub_y[i * h + col]);
+      exact += got == want || (std::isnan(got) && std::isnan(want));
+      const double err = std::fabs(double(got) - double(want));
+      const double fraction = bound > 0 ? err / bound : (err == 0 ? 0 : 1e9);
+      if (!(fraction <= 1.0)) {
+        if (over++ == 0)
+          worst = "token " + std::to_string(tokens[i]) + " col " + std::to_string(col) + ": gpu " +
+                  std::to_string(got) + " cpu(h_gpu) " + std::to_string(want) + " bound " + std::to_string(bound);
+      }
+      worst_fraction = std::max(worst_fraction, std::isnan(fraction) ? 1e9 : fraction);
+    }
+  }
+  std::printf("[ layer    ] %s: %lld/%lld tokens checked; y vs CPU(L2 from GPU h): %.1f%% bitwise equal, "
+              "%.3f of the bound used; h flips %lld of %lld codes\n",
+              c.describe().c_str(), static_cast<long long>(n), static_cast<long long>(t),
+              100.0 * exact / double(n * h), worst_fraction, static_cast<long long>(flips),
+              static_cast<long long>(codes));
+  EXPECT_EQ(over, 0) << over << " outputs exceed the summation-order bound; first: " << worst;
+
+  // 4. against the full reference (flips included): diff metric overall, worst row, worst expert.
+  std::vector<double> rd(y_ref.size());
+  for (size_t i = 0; i < y_ref.size(); ++i) rd[i] = bf16_to_f32(y_ref[i]);
+  const DiffReport rep = compare_output(ref_config, sub_y.data(), rd.data(), sub_idx.data(), n);
+  EXPECT_LE(rep.diff, kMaxDiff) << "diff vs reference";
+  EXPECT_LE(rep.worst_row_diff, kMaxDiff * 10) << "worst row " << rep.worst_row;
+  EXPECT_LE(rep.worst_expert_diff, kMaxDiff * 10) << "worst expert " << rep.worst_expert;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cases
+// ---------------------------------------------------------------------------------------------
+TEST(Sm90Layer, SmallAllTokenCountsAndRoutings) {
+  MEGAMOE_REQUIRE_SM90();
+  const int64_t tokens[] = {0, 1, 7, 64, 513, 4096};
+  const Routing kinds[] = {Routing::kUniform, Routing::kSkewed, Routing::kAdversarial};
+  uint64_t seed = 1;
+  for (Routing r : kinds)
+    for (int64_t t : tokens) {
+      LayerCase c;
+      c.shape = "small";
+      c.tokens = t;
+      c.routing = r;
+      c.empty_fraction = r == Routing::kUniform ? 0.1 : 0.0;
+      c.max_checked_tokens = 512;
+      run_case(c, seed++);
+    }
+}
+
+TEST(Sm90Layer, SmallAllActivationsBothMathModes) {
+  MEGAMOE_REQUIRE_SM90();
+  const char* acts[] = {"swiglu", "swiglu:clamp=7", "situ", "swiglu_oai"};
+  uint64_t seed = 100;
+  for (const char* a : acts)
+    for (bool fast : {true, false})
+      for (int64_t t : {int64_t(64), int64_t(513)}) {
+        LayerCase c;
+        c.shape = "small";
+        c.tokens = t;
+        c.routing = t == 64 ? Routing::kUniform : Routing::kSkewed;
+        c.activation = a;
+        c.bias = std::string(a) == "swiglu_oai";
+        c.fast_math = fast;
+        c.empty_fraction = 0.1;
+        run_case(c, seed++);
+      }
+}
+
+TEST(Sm90Layer, DeepseekV3) {
+  MEGAMOE_REQUIRE_SM90();
+  struct P { int64_t t; Routing r; const char* act; bool fast; int64_t checked; };
+  const P cases[] = {{1, Routing::kUniform, "", true, 64},      {7, Routing::kSkewed, "", true, 64},
+                     {64, Routing::kUniform, "", true, 64},     {64, Routing::kUniform, "", false, 64},
+                     {7, Routing::kUniform, "situ", true, 64},  {513, Routing::kSkewed, "", true, 24},
+                     {4096, Routing::kAdversarial, "", true, 8}};
+  uint64_t seed = 300;
+  for (const P& p : cases) {
+    LayerCase c;
+    c.shape = "deepseek-v3";
+    c.tokens = p.t;
+    c.routing = p.r;
+    c.activation = p.act;
+    c.fast_math = p.fast;
+    c.max_checked_tokens = p.checked;
+    run_case(c, seed++);
+  }
+}
+
+TEST(Sm90Layer, KimiK3Ep8) {
+  MEGAMOE_REQUIRE_SM90();
+  struct P { int64_t t; Routing r; const char* act; bool fast; int64_t checked; };
+  const P cases[] = {{1, Routing::kUniform, "", true, 64},       {7, Routing::kSkewed, "", true, 64},
+                     {64, Routing::kUniform, "", true, 64},      {64, Routing::kSkewed, "", false, 64},
+                     {7, Routing::kUniform, "swiglu", true, 64}, {513, Routing::kAdversarial, "", true, 16},
+                     {4096, Routing::kUniform, "", true, 32}};
+  uint64_t seed = 400;
+  for (const P& p : cases) {
+    LayerCase c;
+    c.shape = "kimi-k3";
+    c.ep_size = 8;
+    c.ep_rank = 3;
+    c.tokens = p.t;
+    c.routing = p.r;
+    c.activation = p.act;
+    c.fast_math = p.fast;
+    c.max_checked_tokens = p.checked;
+    run_case(c, seed++);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Graph replay, determinism, errors
+// ---------------------------------------------------------------------------------------------
+void check_graph_and_determinism(const LayerCase& c, uint64_t seed) {
+  SCOPED_TRACE(c.describe());
+  LayerConfig config;
+  auto layer = make_layer(c, &config);
+  const LayerShape& s = config.shape;
+  const int64_t t = c.tokens;
+  const auto x = test::make_inputs(t, s.hidden, seed);
+  const auto routing = test::make_routing(c.routing, t, s.num_experts, s.top_k, seed,
+                                          c.empty_fraction, config.first_local_expert());
+  DeviceArray<uint16_t> dx(x), dy(t * s.hidden);
+  DeviceArray<int32_t> didx(routing.idx);
+  DeviceArray<float> dw(routing.weights);
+  cudaStream_t stream;
+  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  dy.fill_bytes(0xFF);
+  layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), stream);
+  layer->check_errors(stream);
+  const LayerRun eager = download_run(*layer, t, dy);
+
+  dy.fill_bytes(0xFF);
+  layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), stream);
+  layer->check_errors(stream);
+  const LayerRun again = download_run(*layer, t, dy);
+  EXPECT_EQ(again.y, eager.y) << "run-to-run: y differs";
+  EXPECT_EQ(again.h_q, eager.h_q) << "run-to-run: h_q differs";
+  EXPECT_EQ(again.slot_to_row, eager.slot_to_row) << "run-to-run: slot_to_row differs";
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), stream);
+  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    dy.fill_bytes(0xFF);
+    MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    layer->check_errors(stream);
+    const LayerRun g = download_run(*layer, t, dy);
+    EXPECT_EQ(g.y, eager.y) << "graph replay " << replay << ": y differs from eager";
+    EXPECT_EQ(g.h_q, eager.h_q) << "graph replay " << replay << ": h_q differs from eager";
+  }
+  MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MEGAMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(Sm90Layer, GraphReplayEqualsEagerAndRunsAreDeterministic) {
+  MEGAMOE_REQUIRE_SM90();
+  LayerCase a;
+  a.shape = "small";
+  a.tokens = 513;
+  a.routing = Routing::kSkewed;
+  a.empty_fraction = 0.1;
+  check_graph_and_determinism(a, 900);
+  LayerCase b;
+  b.shape = "kimi-k3";
+  b.ep_size = 8;
+  b.ep_rank = 3;
+  b.tokens = 4096;
+  b.routing = Routing::kUniform;
+  check_graph_and_determinism(b, 901);
+  LayerCase d;
+  d.shape = "deepseek-v3";
+  d.tokens = 64;
+  d.routing = Routing::kAdversarial;
+  d.fast_math = false;
+  check_graph_and_determinism(d, 902);
+}
+
+TEST(Sm90Layer, InvalidExpertIdsAreReportedAndTreatedAsEmpty) {
+  MEGAMOE_REQUIRE_SM90();
+  LayerCase c;
+  c.shape = "small";
+  c.tokens = 64;
+  LayerConfig config;
+  auto layer = make_layer(c, &config);
+  const LayerShape& s = config.shape;
+  const auto x = test::make_inputs(c.tokens, s.hidden, 5);
+  auto routing = test::make_routing(Routing::kUniform, c.tokens, s.num_experts, s.top_k, 5);
+  auto cleaned = routing;
+  const int64_t bad_slots[] = {3 * s.top_k + 1, 40 * s.top_k + 2};
+  routing.idx[bad_slots[0]] = static_cast<int32_t>(s.num_experts);  // one past the end
+  routing.idx[bad_slots[1]] = -5;
+  for (int64_t slot : bad_slots) cleaned.idx[slot] = -1;
+
+  DeviceArray<uint16_t> dx(x), dy(c.tokens * s.hidden), dy_clean(c.tokens * s.hidden);
+  DeviceArray<int32_t> didx(routing.idx), dclean(cleaned.idx);
+  DeviceArray<float> dw(routing.weights);
+  layer->forward(dx.get(), didx.get(), dw.get(), c.tokens, dy.get(), nullptr);
+  try {
+    layer->check_errors(nullptr);
+    ADD_FAILURE() << "check_errors did not report the invalid expert ids";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("token 3 slot 1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("2 invalid slot"), std::string::npos) << msg;
+  }
+  layer->check_errors(nullptr);  // cleared: no throw
+  layer->forward(dx.get(), dclean.get(), dw.get(), c.tokens, dy_clean.get(), nullptr);
+  layer->check_errors(nullptr);
+  EXPECT_EQ(dy.download(), dy_clean.download()) << "invalid slots must act as empty (-1) slots";
+
+  // T above capacity: a host-side error before anything is launched.
+  EXPECT_THROW(layer->forward(dx.get(), didx.get(), dw.get(), kCapacity + 1, dy.get(), nullptr), Error);
+}
+
+}  // namespace
+}  // namespace megamoe::sm90
