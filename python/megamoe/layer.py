@@ -1,0 +1,220 @@
+"""The MoE layer, its weights, and the CPU reference of the contract.
+
+Shapes (T tokens, H hidden, I intermediate, K top-k, E experts, E_l = E / ep_size local experts):
+
+    x            bf16    [T, H]     numpy uint16 bits / ml_dtypes.bfloat16 / torch.bfloat16
+    topk_idx     int32   [T, K]     global expert ids in [0, E), or -1 for an empty slot
+    topk_weights float32 [T, K]     routing weights (ignored for empty slots)
+    y            bf16    [T, H]     y[t] = bf16(sum over valid k, ascending, of o[t, k])
+"""
+
+from . import _arrays
+from . import _megamoe as _C
+
+MoeWeights = _C.MoeWeights
+LayerConfig = _C.LayerConfig
+
+__all__ = [
+    "MoELayer", "MoeWeights", "synthetic_weights", "available_backends",
+    "reference_forward", "reference_forward_quantized", "reference_l2_combine", "ideal_forward",
+    "diff_metric", "compare_output",
+]
+
+
+class MoELayer:
+    """One MoE layer on one EP rank, on the best backend available (or the one named).
+
+    MoELayer(config, weights, backend="auto")
+        config:  LayerConfig
+        weights: MoeWeights for this rank (canonical form, e.g. synthetic_weights(),
+                 MoeWeights.from_arrays() or load_moe_layer()). The layer takes them over and
+                 prepares them in place for its backend: afterwards `weights.consumed` is True and
+                 the weights object can no longer be used. A config/weights mismatch or an unknown
+                 backend is detected before that and leaves the weights intact.
+        backend: "auto" (sm90 when built with CUDA and an sm_90 GPU is present, else "cpu"),
+                 "cpu" or "sm90". Unknown names raise InvalidArgumentError (ValueError); a known
+                 backend this build or machine cannot run raises UnsupportedError (RuntimeError).
+
+    The layer lives on one device (`device`: "cpu" or "cuda:N"); its inputs must be there.
+    """
+
+    def __init__(self, config, weights, backend="auto"):
+        self._layer = _C.MoeLayer(config, weights, backend)
+
+    @property
+    def config(self):
+        """A copy of the LayerConfig the layer was built with."""
+        return self._layer.config
+
+    @property
+    def backend(self):
+        """The backend that runs the layer: "cpu" or "sm90"."""
+        return self._layer.backend
+
+    @property
+    def device(self):
+        """"cpu" or "cuda:N"."""
+        return self._layer.device
+
+    @property
+    def weights_layout(self):
+        """The layout the layer's weights were prepared into ("canonical" on the CPU)."""
+        return self._layer.weights_layout
+
+    @property
+    def weights_bytes(self):
+        """Bytes the layer's weights occupy."""
+        return self._layer.weights_bytes
+
+    def forward(self, x, topk_idx, topk_weights, out=None, stream=None):
+        """y = MoE(x): quantize, L1, activation, routing weight, requantize, L2, combine.
+
+        x:            bf16    [T, H]  on the layer's device, contiguous
+        topk_idx:     int32   [T, K]  global expert ids in [0, E) or -1 (empty slot)
+        topk_weights: float32 [T, K]
+        out:          optional bf16 [T, H] to write into (same device); a new array otherwise,
+                      in x's framework and BF16 representation.
+        stream:       GPU layers: a CUDA stream (int handle or torch.cuda.Stream); default torch's
+                      current stream on x's device. The call only enqueues work on it (no host
+                      synchronisation, no allocation), so it can be captured in a CUDA graph.
+                      CPU layers ignore it and return when y is written.
+        Returns y (bf16 [T, H]); every row is written (zeros for tokens without a valid slot).
+
+        T may be 0 and may not exceed config.max_tokens_per_rank (OutOfRangeError). Wrong dtypes
+        raise DTypeError (TypeError); wrong shapes, devices or strides InvalidArgumentError
+        (ValueError); an expert id outside [-1, E) OutOfRangeError (ValueError) on the CPU
+        backend.
+        """
+        y = _arrays.output(out, x, _arrays.shape_of(x), "bfloat16", bf16_like=x)
+        handle = _arrays.cuda_stream(stream, x, y)
+        self._layer.forward(_arrays.stream_input(x), _arrays.stream_input(topk_idx),
+                            _arrays.stream_input(topk_weights), _arrays.stream_input(y), handle)
+        return y
+
+    __call__ = forward
+
+    def __repr__(self):
+        return (f"MoELayer(backend='{self.backend}', device='{self.device}', "
+                f"config={self.config!r})")
+
+
+def available_backends():
+    """Backends usable in this process, best first ("cpu" is always last)."""
+    return _C.available_backends()
+
+
+def synthetic_weights(config, seed, with_bias=False):
+    """Deterministic synthetic MXFP4 weights (canonical form, host memory) for this rank of
+    `config`: uniform random E2M1 codes, UE8M0 scales around 2^-round(log2(sqrt(K)))."""
+    return _C.synthetic_weights(config, seed, with_bias)
+
+
+def _weights_array(self, name):
+    """A copy of buffer `name` ("w13", "w13_sf", "w2", "w2_sf", "w13_bias", "w2_bias") as a
+    numpy array (host weights) or torch tensor (CUDA weights): canonical shape and dtype while
+    the weights are canonical (uint8 [E_l, 2I, H/2], ..., bias bf16 [E_l, 2I] as uint16 bits),
+    the raw bytes (uint8 [nbytes]) of a prepared layout otherwise.
+
+    A copy, not a view: a MoELayer later takes the weights over and rewrites them in place."""
+    shape, dtype = self.array_spec(name)
+    if self.device == "cpu":
+        import numpy as np
+
+        out = np.empty(tuple(shape), dtype=_arrays._NUMPY_DTYPES[dtype])
+    else:
+        import torch
+
+        out = torch.empty(tuple(shape), dtype=getattr(torch, _arrays._TORCH_DTYPES[dtype]),
+                          device=self.device)
+    self.copy_to(name, out)
+    return out
+
+
+def _weights_from_arrays(w13, w13_sf, w2, w2_sf, first_expert=0, w13_bias=None, w2_bias=None):
+    """Canonical weights from arrays (copied into megamoe-owned memory on the arrays' device):
+
+        w13    uint8 [E_l, 2I, H/2]   rows [0, I) gate (w1), [I, 2I) up (w3); E2M1 pairs
+        w13_sf uint8 [E_l, 2I, H/32]  UE8M0
+        w2     uint8 [E_l, H, I/2]
+        w2_sf  uint8 [E_l, H, I/32]
+        w13_bias bf16 [E_l, 2I], w2_bias bf16 [E_l, H]   optional, both or neither
+        first_expert: global id of local expert 0 (= ep_rank * E_l)
+    """
+    h = _arrays.host_input
+    return _C.MoeWeights._from_arrays(
+        h(w13), h(w13_sf), h(w2), h(w2_sf), first_expert,
+        None if w13_bias is None else h(w13_bias), None if w2_bias is None else h(w2_bias))
+
+
+# NOTES: MoeWeights is the C++ class; these two helpers need numpy/torch for allocation, which the
+# extension never imports, so they are attached here.
+MoeWeights.array = _weights_array
+MoeWeights.from_arrays = staticmethod(_weights_from_arrays)
+
+
+# ------------------------------------------------------------------------------------------------
+# The CPU reference (reference/): a second path to the contract, on host arrays
+# ------------------------------------------------------------------------------------------------
+def _tokens(a):
+    return int(a.shape[0]) if len(a.shape) else 0
+
+
+def reference_forward(config, weights, x, topk_idx, topk_weights, out=None, trace=False):
+    """The contract computed by the CPU reference, from BF16 x (host arrays, canonical weights).
+
+    Same arguments and result as MoELayer.forward; does not consume `weights`. With trace=True
+    returns (y, trace) where trace holds the intermediates as numpy arrays (slot s = t * K + k;
+    rows of invalid slots are zero):
+        x_q uint8 [T, H], x_sf uint8 [T, H/32], l1_acc float32 [T*K, 2I],
+        h_q uint8 [T*K, I], h_sf uint8 [T*K, I/32], o bf16-bits uint16 [T*K, H]
+    """
+    x = _arrays.host_input(x)
+    y = _arrays.output(out, x, _arrays.shape_of(x), "bfloat16", bf16_like=x)
+    tr = _C.reference_forward(config, weights, x, _arrays.host_input(topk_idx),
+                              _arrays.host_input(topk_weights), y, trace)
+    return (y, tr) if trace else y
+
+
+def reference_forward_quantized(config, weights, x_q, x_sf, topk_idx, topk_weights, out=None):
+    """The reference from already quantized inputs: x_q uint8 [T, H] E4M3, x_sf uint8 [T, H/32].
+    Returns y bf16 [T, H] (uint16 bits for numpy inputs)."""
+    x_q = _arrays.host_input(x_q)
+    y = _arrays.output(out, x_q, (_tokens(x_q), config.shape.hidden), "bfloat16")
+    _C.reference_forward_quantized(config, weights, x_q, _arrays.host_input(x_sf),
+                                   _arrays.host_input(topk_idx), _arrays.host_input(topk_weights),
+                                   y)
+    return y
+
+
+def reference_l2_combine(config, weights, h_q, h_sf, topk_idx, out=None):
+    """L2 and combine from given intermediates h_q uint8 [T*K, I], h_sf uint8 [T*K, I/32]
+    (e.g. a backend's own), for exact-mode checks. Returns y bf16 [T, H]."""
+    topk_idx = _arrays.host_input(topk_idx)
+    y = _arrays.output(out, topk_idx, (_tokens(topk_idx), config.shape.hidden), "bfloat16")
+    _C.reference_l2_combine(config, weights, _arrays.host_input(h_q), _arrays.host_input(h_sf),
+                            topk_idx, y)
+    return y
+
+
+def ideal_forward(config, weights, x, topk_idx, topk_weights, out=None):
+    """The unquantized FP64 MoE (BF16 x, dequantized weights, no intermediate quantization,
+    exact activation). Returns float64 [T, H]."""
+    x = _arrays.host_input(x)
+    y = _arrays.output(out, x, (_tokens(x), config.shape.hidden), "float64")
+    _C.ideal_forward(config, weights, x, _arrays.host_input(topk_idx),
+                     _arrays.host_input(topk_weights), y)
+    return y
+
+
+def diff_metric(a, b):
+    """1 - 2<a,b> / (<a,a> + <b,b>) in FP64 over float64 arrays of one shape (0 when both are
+    zero): numerics.md section 8."""
+    return _C.diff_metric(_arrays.host_input(a), _arrays.host_input(b))
+
+
+def compare_output(config, y, ref, topk_idx):
+    """Compares y bf16 [T, H] with ref float64 [T, H] row by row and expert by expert.
+    Returns a dict: diff, worst_row_diff, worst_row, worst_expert_diff, worst_expert,
+    max_abs_err."""
+    return _C.compare_output(config, _arrays.host_input(y), _arrays.host_input(ref),
+                             _arrays.host_input(topk_idx))

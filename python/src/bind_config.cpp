@@ -1,0 +1,163 @@
+// python/src/bind_config.cpp: LayerShape, Activation, LayerConfig and the named presets.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <string>
+#include <variant>
+
+#include <nanobind/stl/optional.h>
+
+#include "bindings.hpp"
+#include "megamoe/activation.hpp"
+#include "megamoe/config.hpp"
+
+namespace megamoe::python {
+
+namespace {
+
+using ShapeArg = std::variant<LayerShape, std::string>;
+using ActivationArg = std::variant<Activation, std::string>;
+
+LayerShape to_shape(const ShapeArg& shape) {
+  if (const auto* name = std::get_if<std::string>(&shape)) return shape_preset(*name);
+  return std::get<LayerShape>(shape);
+}
+
+Activation to_activation(const ActivationArg& act) {
+  if (const auto* spec = std::get_if<std::string>(&act)) return Activation::parse(*spec);
+  Activation a = std::get<Activation>(act);
+  a.validate();
+  return a;
+}
+
+const char* kind_name(ActivationKind kind) {
+  switch (kind) {
+    case ActivationKind::kSwiglu: return "swiglu";
+    case ActivationKind::kSitu: return "situ";
+    case ActivationKind::kSwigluOai: return "swiglu_oai";
+  }
+  return "unknown";
+}
+
+std::string config_repr(const LayerConfig& c) {
+  return detail::concat("LayerConfig(shape=", c.shape.to_string(), ", activation='",
+                        c.activation.to_string(), "', ep_size=", c.ep_size, ", ep_rank=", c.ep_rank,
+                        ", max_tokens_per_rank=", c.max_tokens_per_rank,
+                        ", fast_math=", c.fast_math ? "True" : "False", ")");
+}
+
+}  // namespace
+
+void register_config(nb::module_& m) {
+  // -------------------------------------------------------------------------------------------
+  // LayerShape
+  // -------------------------------------------------------------------------------------------
+  nb::class_<LayerShape>(m, "LayerShape",
+                         "Routed-expert shape of one MoE layer: hidden H (expert input width), "
+                         "intermediate I (per expert), num_experts E (all ranks), top_k K.")
+      .def(
+          "__init__",
+          [](LayerShape* self, int64_t hidden, int64_t intermediate, int64_t num_experts,
+             int64_t top_k) {
+            new (self) LayerShape{hidden, intermediate, num_experts, top_k};
+            self->validate();
+          },
+          nb::arg("hidden"), nb::arg("intermediate"), nb::arg("num_experts"), nb::arg("top_k"),
+          "Validated: H and I multiples of 32, all positive (InvalidArgumentError otherwise).")
+      .def_rw("hidden", &LayerShape::hidden)
+      .def_rw("intermediate", &LayerShape::intermediate)
+      .def_rw("num_experts", &LayerShape::num_experts)
+      .def_rw("top_k", &LayerShape::top_k)
+      .def("validate", &LayerShape::validate)
+      .def("__repr__", [](const LayerShape& s) { return "LayerShape(" + s.to_string() + ")"; })
+      .def("__eq__", [](const LayerShape& a, const LayerShape& b) {
+        return a.hidden == b.hidden && a.intermediate == b.intermediate &&
+               a.num_experts == b.num_experts && a.top_k == b.top_k;
+      });
+
+  m.def("shape_preset", &shape_preset, nb::arg("name"),
+        "The LayerShape of a named preset (see shape_preset_names()).");
+  m.def("shape_preset_names", &shape_preset_names, "Names accepted by shape_preset().");
+  m.def("activation_preset", &activation_preset, nb::arg("shape_name"),
+        "The activation a preset model uses (kimi-k3: situ; gpt-oss-120b: swiglu_oai; others: "
+        "swiglu).");
+
+  // -------------------------------------------------------------------------------------------
+  // Activation
+  // -------------------------------------------------------------------------------------------
+  nb::class_<Activation>(m, "Activation",
+                         "The activation epilogue, chosen by name (numerics.md section 4). Build "
+                         "with Activation.parse('situ'), Activation.swiglu(), ...")
+      .def_static("parse", &Activation::parse, nb::arg("spec"),
+                  "Parse 'swiglu', 'swiglu:clamp=7', 'situ', 'situ:beta=4,linear_beta=25', "
+                  "'swiglu_oai', 'swiglu_oai:alpha=1.702,clamp=7'. InvalidArgumentError names "
+                  "the problem.")
+      .def_static("swiglu", &Activation::swiglu)
+      .def_static("swiglu_clamped", &Activation::swiglu_clamped, nb::arg("limit"))
+      .def_static("situ", &Activation::situ, nb::arg("beta") = 4.0f,
+                  nb::arg("linear_beta") = 25.0f)
+      .def_static("swiglu_oai", &Activation::swiglu_oai, nb::arg("alpha") = 1.702f,
+                  nb::arg("limit") = 7.0f)
+      .def_prop_ro("kind", [](const Activation& a) { return kind_name(a.kind); })
+      .def_prop_ro("clamp", [](const Activation& a) -> std::optional<float> {
+        if (!a.has_clamp) return std::nullopt;
+        return a.clamp;
+      }, "The clamp limit L, or None when there is no clamp.")
+      .def_ro("beta", &Activation::beta)
+      .def_ro("linear_beta", &Activation::linear_beta)
+      .def_ro("alpha", &Activation::alpha)
+      .def("validate", &Activation::validate)
+      .def("name", &Activation::name)
+      .def("__str__", &Activation::to_string)
+      .def("__repr__", [](const Activation& a) {
+        return "Activation.parse('" + a.to_string() + "')";
+      })
+      .def("__eq__", [](const Activation& a, const Activation& b) {
+        return a.to_string() == b.to_string();
+      });
+
+  // -------------------------------------------------------------------------------------------
+  // LayerConfig
+  // -------------------------------------------------------------------------------------------
+  nb::class_<LayerConfig>(m, "LayerConfig",
+                          "Shape and configuration of one MoE layer on one EP rank.")
+      .def(
+          "__init__",
+          [](LayerConfig* self, const ShapeArg& shape, std::optional<ActivationArg> activation,
+             int ep_size, int ep_rank, int64_t max_tokens_per_rank, bool fast_math) {
+            LayerConfig c;
+            c.shape = to_shape(shape);
+            if (activation) {
+              c.activation = to_activation(*activation);
+            } else if (const auto* name = std::get_if<std::string>(&shape)) {
+              c.activation = activation_preset(*name);
+            }
+            c.ep_size = ep_size;
+            c.ep_rank = ep_rank;
+            c.max_tokens_per_rank = max_tokens_per_rank;
+            c.fast_math = fast_math;
+            c.validate();
+            new (self) LayerConfig(c);
+          },
+          nb::arg("shape"), nb::arg("activation") = nb::none(), nb::arg("ep_size") = 1,
+          nb::arg("ep_rank") = 0, nb::arg("max_tokens_per_rank") = 8192,
+          nb::arg("fast_math") = true,
+          "shape: a LayerShape or a preset name ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b', "
+          "'small'). activation: an Activation or a spec string; None takes the preset's "
+          "activation when shape is a name, else 'swiglu'. Validated on construction.")
+      .def_rw("shape", &LayerConfig::shape)
+      .def_rw("activation", &LayerConfig::activation)
+      .def_rw("ep_size", &LayerConfig::ep_size)
+      .def_rw("ep_rank", &LayerConfig::ep_rank)
+      .def_rw("max_tokens_per_rank", &LayerConfig::max_tokens_per_rank)
+      .def_rw("fast_math", &LayerConfig::fast_math)
+      .def_prop_ro("num_local_experts", &LayerConfig::num_local_experts)
+      .def_prop_ro("first_local_expert", &LayerConfig::first_local_expert)
+      .def("validate", &LayerConfig::validate)
+      .def("__repr__", &config_repr);
+}
+
+}  // namespace megamoe::python

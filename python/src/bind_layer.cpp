@@ -1,0 +1,94 @@
+// python/src/bind_layer.cpp: MoeLayer, the one entry point of a layer call.
+//
+//   x            bf16  [T, H]   (uint16 arrays carry raw BF16 bits)
+//   topk_idx     int32 [T, K]   global expert ids in [0, E) or -1
+//   topk_weights fp32  [T, K]
+//   y            bf16  [T, H]   written in full
+// All on the layer's device and contiguous. `stream` is a cudaStream_t as an integer (0 = the
+// legacy default stream); the Python layer passes torch's current stream.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "bindings.hpp"
+#include "megamoe/layer.hpp"
+
+namespace megamoe::python {
+
+namespace {
+
+constexpr const char* kAutoBackend = "auto";
+
+// NOTES: the layer takes the weights by move. Everything that can be checked before the move is
+// checked here, so a wrong config or backend name leaves the caller's weights intact.
+void init_layer(MoeLayer* self, const LayerConfig& config, WeightsHolder& weights,
+                const std::string& backend) {
+  config.validate();
+  weights.get("weights").check_matches(config);
+  if (backend != kAutoBackend) {
+    const std::vector<std::string> names = available_backends();
+    if (std::find(names.begin(), names.end(), backend) == names.end()) {
+      std::string list;
+      for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+      // An unknown name is the caller's mistake; a known one missing here is this machine's.
+      const bool known = backend == "cpu" || backend == "sm90";
+      fail(known ? ErrorCode::kUnsupported : ErrorCode::kInvalidArgument, "backend: '", backend,
+           "' is ", known ? "not available in this build or on this machine" : "unknown",
+           " (available here: auto, ", list, ")");
+    }
+  }
+  new (self) MoeLayer(config, weights.take("weights"), backend);
+}
+
+void forward(MoeLayer& layer, const InArray& x, const InArray& topk_idx,
+             const InArray& topk_weights, const OutArray& y, uintptr_t stream) {
+  const TensorView xv = view_of("x", x);
+  const TensorView iv = view_of("topk_idx", topk_idx);
+  const TensorView wv = view_of("topk_weights", topk_weights);
+  const TensorView yv = view_of("y", y);
+  expect_dtype("x", xv, {DType::kBF16});
+  expect_dtype("topk_idx", iv, {DType::kI32});
+  expect_dtype("topk_weights", wv, {DType::kF32});
+  expect_dtype("y", yv, {DType::kBF16});
+
+  // The layer checks these too; checking here as well keeps every binding error uniform.
+  const LayerConfig& c = layer.config();
+  const Device device = layer.device();
+  const int64_t num_tokens = xv.ndim == 2 ? xv.shape[0] : -1;
+  check_tensor("x", xv, DType::kBF16, {-1, c.shape.hidden}, device);
+  check_tensor("topk_idx", iv, DType::kI32, {num_tokens, c.shape.top_k}, device);
+  check_tensor("topk_weights", wv, DType::kF32, {num_tokens, c.shape.top_k}, device);
+  check_tensor("y", yv, DType::kBF16, {num_tokens, c.shape.hidden}, device);
+  MEGAMOE_CHECK(num_tokens <= c.max_tokens_per_rank, ErrorCode::kOutOfRange, "x: ", num_tokens,
+                " tokens exceed the layer capacity max_tokens_per_rank = ",
+                c.max_tokens_per_rank);
+
+  nb::gil_scoped_release release;
+  layer.forward(xv, iv, wv, yv, reinterpret_cast<void*>(stream));
+}
+
+}  // namespace
+
+void register_layer(nb::module_& m) {
+  nb::class_<MoeLayer>(m, "MoeLayer",
+                       "Raw binding of megamoe::MoeLayer; use megamoe.MoELayer, which allocates "
+                       "outputs and finds the CUDA stream.")
+      .def("__init__", &init_layer, nb::arg("config"), nb::arg("weights"),
+           nb::arg("backend") = kAutoBackend)
+      .def("forward", &forward, nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"),
+           nb::arg("y"), nb::arg("stream") = 0)
+      .def_prop_ro("config", &MoeLayer::config, nb::rv_policy::copy)
+      .def_prop_ro("backend", &MoeLayer::backend)
+      .def_prop_ro("device", [](const MoeLayer& l) { return device_name(l.device()); })
+      .def_prop_ro("weights_layout", [](const MoeLayer& l) { return l.weights().layout; })
+      .def_prop_ro("weights_bytes", [](const MoeLayer& l) { return l.weights().total_bytes(); });
+
+  m.def("available_backends", &available_backends,
+        "Backends usable in this process, best first ('cpu' is always last).");
+}
+
+}  // namespace megamoe::python
