@@ -124,10 +124,21 @@ def dequant_mxfp4(codes: torch.Tensor, sf: torch.Tensor, dtype=torch.bfloat16) -
     return vals.flatten(-2).to(dtype)
 
 
+DEQUANT_CHUNK_EXPERTS = 8     # experts dequantized at a time: bounds the FP32 temporaries
+
+
+def _dequant_chunked(codes: torch.Tensor, sf: torch.Tensor, dtype) -> torch.Tensor:
+    out = torch.empty((*codes.shape[:-1], codes.shape[-1] * 2), dtype=dtype, device=codes.device)
+    for start in range(0, codes.shape[0], DEQUANT_CHUNK_EXPERTS):
+        sl = slice(start, start + DEQUANT_CHUNK_EXPERTS)
+        out[sl] = dequant_mxfp4(codes[sl], sf[sl], dtype)
+    return out
+
+
 def dequant_weights(w: MxWeights, dtype=torch.bfloat16, experts: Optional[slice] = None):
     """(w13 [E, 2I, H], w2 [E, H, I]) dequantized, optionally for a slice of experts."""
     sl = experts or slice(None)
-    return dequant_mxfp4(w.w13[sl], w.w13_sf[sl], dtype), dequant_mxfp4(w.w2[sl], w.w2_sf[sl], dtype)
+    return _dequant_chunked(w.w13[sl], w.w13_sf[sl], dtype), _dequant_chunked(w.w2[sl], w.w2_sf[sl], dtype)
 
 
 # --- routing (targets.md: uniform random top-k without repeats, seeded) -------------------------

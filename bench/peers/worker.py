@@ -143,6 +143,18 @@ def run_peer(args) -> int:
         return 0
     base['setup_s'] = round(time.time() - start, 2)
     base['peer_weight_bytes'] = peer.weight_bytes()
+    if args.warm_only:
+        # Compile-cache warm-up (compare.py --warm-parallel): one call per T, nothing checked or timed.
+        for t in tokens:
+            try:
+                t0 = time.time()
+                peer.build(common.make_inputs(shape, t, input_seed(t, 0), 'cuda'))()
+                torch.cuda.synchronize()
+                print(f'warm {args.peer} {shape.name} T={t}: {time.time() - t0:.1f} s', flush=True)
+            except Exception as exc:
+                print(f'warm {args.peer} {shape.name} T={t}: {type(exc).__name__}: {exc}', flush=True)
+            torch.cuda.empty_cache()
+        return 0
     for t in tokens:
         if time.time() - start > args.budget_s:
             emit(out, {**base, 'tokens': t, 'status': 'skipped',
@@ -201,6 +213,7 @@ def main() -> int:
     ap.add_argument('--point-budget-s', type=float, default=0.25, help='timed seconds per point (iterations follow)')
     ap.add_argument('--check-rows', type=int, default=CHECK_ROWS)
     ap.add_argument('--ceilings', action='store_true')
+    ap.add_argument('--warm-only', action='store_true', help='one untimed call per T (fills JIT caches)')
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print('worker: no CUDA device; the peers run on the GPU machine', file=sys.stderr)
