@@ -8,6 +8,7 @@
 #include "moe/sm90_gemm.hpp"
 #include "moe/sm90_stages.hpp"
 #include "megamoe/prepare.hpp"
+#include "moe/backend.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/cuda_device.hpp"
 
@@ -76,14 +77,65 @@ const char* stage_name(Stage stage) {
   return "?";
 }
 
-Sm90Layer::Sm90Layer(const LayerConfig& config, MoeWeights weights) : config_(config) {
-  config_.validate();
+MoeWeights Sm90Layer::prepare_device_weights(const LayerConfig& config, MoeWeights weights) {
+  config.validate();
   MEGAMOE_CHECK(sm90_available(cuda::current_device()), ErrorCode::kUnsupported,
                 "sm90 backend: needs a compute capability 9.0 GPU (H100/H200); ",
                 cuda_available() ? "the current device is " + cuda::device_info().name
                                  : std::string("no CUDA device is available"));
+  weights.check_matches(config);
+  const Device here = Device::cuda(cuda::current_device());
+  if (weights.layout == kSm90LayoutName) {
+    MEGAMOE_CHECK_ARG(weights.device() == here, "sm90 backend: prepared weights must be on ",
+                      device_name(here), ", got ", device_name(weights.device()));
+    check_weights_layout(weights);
+    return weights;
+  }
+  // NOTES: the layout transform runs on the GPU when the sm90 layout has a device
+  // implementation (upload first, then prepare in place with a bounded scratch); otherwise it
+  // runs on the host before the upload. Either way no second copy of the layer survives: each
+  // host buffer is released as soon as its device copy exists.
+  const WeightLayout& layout = find_layout(kSm90LayoutName);
+  const bool device_prep = layout.buffer(WeightBufferKind::kW13).forward_device != nullptr ||
+                           layout.buffer(WeightBufferKind::kW13).is_identity();
+  if (weights.device() != here && !device_prep) prepare(weights, kSm90LayoutName);
+  if (weights.device() != here) {
+    for (int b = 0; b < kNumWeightBuffers; ++b) {
+      Buffer& buf = weight_buffer(weights, static_cast<WeightBufferKind>(b));
+      if (buf.empty()) continue;
+      Buffer moved = buf.to(here);
+      buf = std::move(moved);
+    }
+  }
+  if (weights.layout != kSm90LayoutName) {
+    PrepareOptions options;
+    options.stream = nullptr;
+    prepare(weights, kSm90LayoutName, options);
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  return weights;
+}
+
+Sm90Layer::Sm90Layer(const LayerConfig& config, MoeWeights weights) : config_(config) {
+  owned_weights_ = prepare_device_weights(config, std::move(weights));
+  weights_ = &owned_weights_;
+  init_workspace();
+}
+
+Sm90Layer::Sm90Layer(const LayerConfig& config, const MoeWeights* prepared) : config_(config) {
+  MEGAMOE_CHECK_ARG(prepared != nullptr && prepared->layout == kSm90LayoutName,
+                    "Sm90Layer: expected weights in the '", kSm90LayoutName, "' layout");
+  weights_ = prepared;
+  init_workspace();
+}
+
+void Sm90Layer::init_workspace() {
+  config_.validate();
   device_ = cuda::current_device();
-  weights.check_matches(config_);
+  weights_->check_matches(config_);
+  MEGAMOE_CHECK_ARG(weights_->device() == Device::cuda(device_),
+                    "sm90 backend: weights must be on the current device ",
+                    device_name(Device::cuda(device_)), ", got ", device_name(weights_->device()));
   MEGAMOE_CHECK_ARG(config_.shape.top_k <= config_.shape.num_experts,
                     "sm90 backend: expected top_k <= num_experts, got top_k ",
                     config_.shape.top_k, " and ", config_.shape.num_experts, " experts");
@@ -92,39 +144,8 @@ Sm90Layer::Sm90Layer(const LayerConfig& config, MoeWeights weights) : config_(co
                     " exceeds the int32 row index range");
   route_num_warps(config_.num_local_experts());  // throws when the histograms cannot fit
 
-  // ---- weights: on this device, in the sm90 layout ----
-  const Device here = Device::cuda(device_);
-  if (weights.layout == kSm90LayoutName) {
-    MEGAMOE_CHECK_ARG(weights.device() == here, "sm90 backend: prepared weights must be on ",
-                      device_name(here), ", got ", device_name(weights.device()));
-    check_weights_layout(weights);
-  } else {
-    // NOTES: the layout transform runs on the GPU when the sm90 layout has a device
-    // implementation (upload first, then prepare in place with a bounded scratch); otherwise it
-    // runs on the host before the upload. Either way no second copy of the layer survives: each
-    // host buffer is released as soon as its device copy exists.
-    const WeightLayout& layout = find_layout(kSm90LayoutName);
-    const bool device_prep = layout.buffer(WeightBufferKind::kW13).forward_device != nullptr ||
-                             layout.buffer(WeightBufferKind::kW13).is_identity();
-    if (weights.device() != here && !device_prep) prepare(weights, kSm90LayoutName);
-    if (weights.device() != here) {
-      for (int b = 0; b < kNumWeightBuffers; ++b) {
-        Buffer& buf = weight_buffer(weights, static_cast<WeightBufferKind>(b));
-        if (buf.empty()) continue;
-        Buffer moved = buf.to(here);
-        buf = std::move(moved);
-      }
-    }
-    if (weights.layout != kSm90LayoutName) {
-      PrepareOptions options;
-      options.stream = nullptr;
-      prepare(weights, kSm90LayoutName, options);
-      MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
-    }
-  }
-  weights_ = std::move(weights);
-
   // ---- workspace, once, for the capacity ----
+  const Device here = Device::cuda(device_);
   max_rows_ = slots;
   int64_t bytes = 0;
   carve(nullptr, config_, max_rows_, &bytes);
@@ -180,9 +201,9 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l1.row_offsets = view_.row_offsets;
   l1.act = view_.act;
   l1.row_weights = view_.row_weights;
-  l1.w13 = weights_.w13.as<uint8_t>();
-  l1.w13_sf = weights_.w13_sf.as<uint8_t>();
-  l1.w13_bias = weights_.has_bias() ? weights_.w13_bias.as<uint16_t>() : nullptr;
+  l1.w13 = weights_->w13.as<uint8_t>();
+  l1.w13_sf = weights_->w13_sf.as<uint8_t>();
+  l1.w13_bias = weights_->has_bias() ? weights_->w13_bias.as<uint16_t>() : nullptr;
   l1.activation = config_.activation;
   l1.fast_math = config_.fast_math;
   l1.h_q = view_.h_q;
@@ -200,9 +221,9 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l2.row_offsets = view_.row_offsets;
   l2.h_act = view_.h_act;
   l2.row_weights = view_.row_weights;
-  l2.w2 = weights_.w2.as<uint8_t>();
-  l2.w2_sf = weights_.w2_sf.as<uint8_t>();
-  l2.w2_bias = weights_.has_bias() ? weights_.w2_bias.as<uint16_t>() : nullptr;
+  l2.w2 = weights_->w2.as<uint8_t>();
+  l2.w2_sf = weights_->w2_sf.as<uint8_t>();
+  l2.w2_bias = weights_->has_bias() ? weights_->w2_bias.as<uint16_t>() : nullptr;
   l2.out = view_.out;
   launch_l2(l2, stream);
   if (done(Stage::kL2)) return;
@@ -226,3 +247,40 @@ void Sm90Layer::check_errors(cudaStream_t stream) {
 }
 
 }  // namespace megamoe::sm90
+
+// ---------------------------------------------------------------------------------------------
+// The "sm90" MoeLayer backend (src/moe/backend.hpp)
+// ---------------------------------------------------------------------------------------------
+namespace megamoe::detail {
+
+namespace {
+
+class Sm90Backend final : public LayerBackend {
+ public:
+  // The LayerBackend base owns the prepared device weights; the layer borrows them (the base is
+  // constructed first, and the backend never moves: MoeLayer holds it by unique_ptr).
+  Sm90Backend(const LayerConfig& config, MoeWeights prepared)
+      : LayerBackend("sm90", config, std::move(prepared), Device::cuda(cuda::current_device())),
+        layer_(config_, &weights_) {}
+
+  void forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
+               int64_t num_tokens, uint16_t* y, void* stream) override {
+    layer_.forward(x, topk_idx, topk_weights, num_tokens, y, static_cast<cudaStream_t>(stream));
+  }
+
+  // Synchronizes `stream` and throws kOutOfRange for invalid expert ids seen since the last
+  // check (see Sm90Layer::check_errors).
+  void check_errors(void* stream) { layer_.check_errors(static_cast<cudaStream_t>(stream)); }
+
+ private:
+  sm90::Sm90Layer layer_;
+};
+
+}  // namespace
+
+std::unique_ptr<LayerBackend> make_sm90_backend(const LayerConfig& config, MoeWeights&& weights) {
+  MoeWeights prepared = sm90::Sm90Layer::prepare_device_weights(config, std::move(weights));
+  return std::make_unique<Sm90Backend>(config, std::move(prepared));
+}
+
+}  // namespace megamoe::detail

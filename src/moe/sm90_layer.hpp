@@ -63,6 +63,12 @@ class Sm90Layer {
   // `weights`: canonical (host or device; copied to the current device and prepared there) or
   // already in the sm90 layout on the current device. Throws kUnsupported without an sm_90 GPU.
   Sm90Layer(const LayerConfig& config, MoeWeights weights);
+  // Borrows weights already returned by prepare_device_weights(); they must outlive the layer
+  // (the MoeLayer backend owns them in its LayerBackend base).
+  Sm90Layer(const LayerConfig& config, const MoeWeights* prepared);
+
+  // Moves `weights` to the current device in the sm90 layout (see the constructor).
+  static MoeWeights prepare_device_weights(const LayerConfig& config, MoeWeights weights);
   ~Sm90Layer();
   Sm90Layer(const Sm90Layer&) = delete;
   Sm90Layer& operator=(const Sm90Layer&) = delete;
@@ -78,15 +84,18 @@ class Sm90Layer {
   void check_errors(cudaStream_t stream);
 
   const LayerConfig& config() const { return config_; }
-  const MoeWeights& weights() const { return weights_; }
+  const MoeWeights& weights() const { return *weights_; }
   int device() const { return device_; }
   int64_t max_rows() const { return max_rows_; }
   int64_t workspace_bytes() const { return workspace_.size(); }
   const WorkspaceView& workspace() const { return view_; }
 
  private:
+  void init_workspace();
+
   LayerConfig config_;
-  MoeWeights weights_;
+  MoeWeights owned_weights_;           // empty when borrowing
+  const MoeWeights* weights_ = nullptr;
   int device_ = 0;
   int64_t max_rows_ = 0;
   Buffer workspace_;
