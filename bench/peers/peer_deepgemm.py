@@ -172,7 +172,11 @@ class DeepGemmFp8Chain:
 
 
 class DeepGemmMegaMoe:
-    """DeepGEMM's SM90 FP8 x FP8 Mega MoE on one rank (no process group: a one-rank buffer)."""
+    """DeepGEMM's SM90 FP8 x FP8 Mega MoE on one rank.
+
+    The buffer comes from a one-rank NCCL process group with symmetric memory (the usage DeepGEMM's
+    own SM90 examples follow); where that cannot be set up, from a plain one-rank allocation (the
+    layout DeepGEMM's SM100 path uses for one rank). `buffer_mode` records which one ran."""
     name = 'deepgemm-mega'
     description = 'DeepGEMM SM90 FP8xFP8 Mega MoE (fused dispatch/L1/act/L2/combine), one rank'
     graphable = True
@@ -186,20 +190,40 @@ class DeepGemmMegaMoe:
         self.num_experts = weights.num_experts
         l1, l2 = requantize_weights(weights)
         self.l1, self.l2 = self.dg.transform_weights_for_mega_moe_sm90(l1, l2)
+        del l1, l2
+        try:
+            self.sym = self._dist_buffer()
+            self.buffer_mode = 'nccl one-rank group, symmetric memory'
+        except Exception as exc:
+            self.buffer_mode = f'plain one-rank buffer (process group failed: {type(exc).__name__}: {exc})'[:300]
+            self.sym = self._plain_buffer()
+
+    def _dist_buffer(self):
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            # NOTES: a port per process: children run one after another and a closed store's port
+            # can linger in TIME_WAIT.
+            port = 20000 + os.getpid() % 20000
+            dist.init_process_group(backend='nccl', init_method=f'tcp://127.0.0.1:{port}',
+                                    rank=0, world_size=1, device_id=torch.device('cuda:0'))
+        group = dist.new_group([0])
+        return self.dg.get_symm_buffer_for_sm90_mega_moe(
+            group, self.num_experts, self.capacity, self.shape.top_k, self.shape.hidden,
+            self.shape.intermediate, use_fp8_dispatch=True, activation='swiglu')
+
+    def _plain_buffer(self):
         C = self.dg._C
-        cap = self.capacity
         align = int(C.get_token_alignment_for_sm90_mega_moe())
-        self.cap = -(-cap // align) * align
-        args = (1, self.num_experts, self.cap, shape.top_k, shape.hidden, shape.intermediate, True, 'swiglu')
-        num_bytes = int(C.get_symm_buffer_size_for_sm90_mega_moe(*args))
-        self.buffer = torch.zeros(num_bytes, dtype=torch.int8, device='cuda')
-        views = C.slice_symm_buffer_for_sm90_mega_moe(self.buffer, *args)
-        (self.x, self.x_sf, self.topk_idx, self.topk_weights, *_rest) = views
-        self.sym = types.SimpleNamespace(
-            buffer=self.buffer,
-            handle=types.SimpleNamespace(buffer_ptrs=[self.buffer.data_ptr()]),
+        cap = -(-self.capacity // align) * align
+        args = (1, self.num_experts, cap, self.shape.top_k, self.shape.hidden, self.shape.intermediate,
+                True, 'swiglu')
+        buffer = torch.zeros(int(C.get_symm_buffer_size_for_sm90_mega_moe(*args)), dtype=torch.int8, device='cuda')
+        (x, x_sf, topk_idx, topk_weights, *_rest) = C.slice_symm_buffer_for_sm90_mega_moe(buffer, *args)
+        return types.SimpleNamespace(
+            buffer=buffer, handle=types.SimpleNamespace(buffer_ptrs=[buffer.data_ptr()]),
             group=types.SimpleNamespace(rank=lambda: 0, size=lambda: 1),
-            num_max_tokens_per_rank=self.cap, num_experts=self.num_experts, num_topk=shape.top_k)
+            num_max_tokens_per_rank=cap, num_experts=self.num_experts, num_topk=self.shape.top_k,
+            x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights)
 
     @staticmethod
     def unsupported(shape: Shape) -> Optional[str]:
@@ -218,15 +242,15 @@ class DeepGemmMegaMoe:
 
     def build(self, inp: Inputs) -> Callable[[], torch.Tensor]:
         t_count = inp.num_tokens
-        if t_count > self.cap:
-            raise ValueError(f'num_tokens {t_count} above the Mega MoE capacity {self.cap}')
-        idx64 = inp.topk_idx.to(torch.int64)
+        sym = self.sym
+        if t_count > sym.num_max_tokens_per_rank:
+            raise ValueError(f'num_tokens {t_count} above the Mega MoE capacity {sym.num_max_tokens_per_rank}')
         y = torch.empty((t_count, self.shape.hidden), dtype=torch.bfloat16, device=inp.x.device)
 
         def run() -> torch.Tensor:
-            self.dg.mega_moe_pre_dispatch_sm90(inp.x, idx64, inp.topk_weights, self.x, self.x_sf,
-                                               self.topk_idx, self.topk_weights, t_count)
-            self.dg.fp8_mega_moe(y, self.l1, self.l2, self.sym, num_tokens_bound=t_count)
+            self.dg.mega_moe_pre_dispatch_sm90(inp.x, inp.topk_idx, inp.topk_weights, sym.x, sym.x_sf,
+                                               sym.topk_idx, sym.topk_weights, t_count)
+            self.dg.fp8_mega_moe(y, self.l1, self.l2, sym, num_tokens_bound=t_count)
             return y
 
         return run

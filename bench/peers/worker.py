@@ -143,6 +143,8 @@ def run_peer(args) -> int:
         return 0
     base['setup_s'] = round(time.time() - start, 2)
     base['peer_weight_bytes'] = peer.weight_bytes()
+    if getattr(peer, 'buffer_mode', None):
+        base['buffer_mode'] = peer.buffer_mode
     if args.warm_only:
         # Compile-cache warm-up (compare.py --warm-parallel): one call per T, nothing checked or timed.
         for t in tokens:

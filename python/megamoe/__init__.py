@@ -58,6 +58,18 @@ from .formats import (
     requantize,
     ue8m0_to_f32,
 )
+from .checkpoint import (
+    DEFAULT_PREPARE_SCRATCH_BYTES,
+    Checkpoint,
+    MoeLayerInfo,
+    layout_for_backend,
+    layout_names,
+    load_moe_layer,
+    prepare,
+    prepare_for_fused,
+    unprepare,
+    write_moe_checkpoint,
+)
 from .layer import (
     MoELayer,
     MoeWeights,
@@ -70,6 +82,8 @@ from .layer import (
     reference_l2_combine,
     synthetic_weights,
 )
+
+from .routing import ROUTING_KINDS, make_routing, route_sigmoid_topk, synthetic_activations
 
 __version__ = "0.1.0"
 

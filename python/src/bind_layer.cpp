@@ -22,6 +22,11 @@ namespace megamoe::python {
 namespace {
 
 constexpr const char* kAutoBackend = "auto";
+#if defined(MEGAMOE_WITH_CUDA)
+constexpr bool kBuiltWithCuda = true;
+#else
+constexpr bool kBuiltWithCuda = false;
+#endif
 
 // NOTES: the layer takes the weights by move. Everything that can be checked before the move is
 // checked here, so a wrong config or backend name leaves the caller's weights intact.
@@ -38,7 +43,8 @@ void init_layer(MoeLayer* self, const LayerConfig& config, WeightsHolder& weight
       const bool known = backend == "cpu" || backend == "sm90";
       fail(known ? ErrorCode::kUnsupported : ErrorCode::kInvalidArgument, "backend: '", backend,
            "' is ", known ? "not available in this build or on this machine" : "unknown",
-           " (available here: auto, ", list, ")");
+           " (available here: auto, ", list, "; built with CUDA: ", kBuiltWithCuda ? "yes" : "no",
+           ")");
     }
   }
   new (self) MoeLayer(config, weights.take("weights"), backend);
@@ -54,18 +60,7 @@ void forward(MoeLayer& layer, const InArray& x, const InArray& topk_idx,
   expect_dtype("topk_idx", iv, {DType::kI32});
   expect_dtype("topk_weights", wv, {DType::kF32});
   expect_dtype("y", yv, {DType::kBF16});
-
-  // The layer checks these too; checking here as well keeps every binding error uniform.
-  const LayerConfig& c = layer.config();
-  const Device device = layer.device();
-  const int64_t num_tokens = xv.ndim == 2 ? xv.shape[0] : -1;
-  check_tensor("x", xv, DType::kBF16, {-1, c.shape.hidden}, device);
-  check_tensor("topk_idx", iv, DType::kI32, {num_tokens, c.shape.top_k}, device);
-  check_tensor("topk_weights", wv, DType::kF32, {num_tokens, c.shape.top_k}, device);
-  check_tensor("y", yv, DType::kBF16, {num_tokens, c.shape.hidden}, device);
-  MEGAMOE_CHECK(num_tokens <= c.max_tokens_per_rank, ErrorCode::kOutOfRange, "x: ", num_tokens,
-                " tokens exceed the layer capacity max_tokens_per_rank = ",
-                c.max_tokens_per_rank);
+  // Shapes, devices, strides and the capacity are checked by MoeLayer::forward (src/moe/layer.cpp).
 
   nb::gil_scoped_release release;
   layer.forward(xv, iv, wv, yv, reinterpret_cast<void*>(stream));

@@ -89,6 +89,8 @@ void register_config(nb::module_& m);
 void register_weights(nb::module_& m);
 void register_layer(nb::module_& m);
 void register_reference(nb::module_& m);
+void register_routing(nb::module_& m);
+void register_checkpoint(nb::module_& m);
 void register_runtime(nb::module_& m);
 
 }  // namespace megamoe::python

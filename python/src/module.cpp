@@ -49,4 +49,6 @@ NB_MODULE(_megamoe, m) {
   py::register_weights(m);
   py::register_layer(m);
   py::register_reference(m);
+  py::register_routing(m);
+  py::register_checkpoint(m);
 }
