@@ -38,6 +38,8 @@ MEGAMOE = 'megamoe'
 PYLIB = os.path.join(REPO, '.whl', 'pylib')       # extracted pure-Python peers (fetch_wheels.sh)
 CARRIED_JIT_CACHE = os.path.join(REPO, '.whl', 'dg_jit_cache')   # DeepGEMM cubins of an earlier run
 JIT_CACHE = '/tmp/megamoe_peers_dg_jit_cache'
+CARRIED_TRITON_CACHE = os.path.join(REPO, '.whl', 'triton_cache')
+TRITON_CACHE = '/tmp/megamoe_peers_triton_cache'
 
 # Aliases accepted in `megamoe bench --json` lines (the harness is built in parallel; see README).
 KEY_ALIASES = {
@@ -147,11 +149,14 @@ def peer_env() -> dict:
     env.setdefault('PYTHONUNBUFFERED', '1')
     env.setdefault('NCCL_NVLS_ENABLE', '0')
     env.setdefault('TORCH_SYMM_MEM_DISABLE_MULTICAST', '1')
-    # DeepGEMM's JIT cache: start from the carried one (if any) so a fresh machine skips compiles.
-    if 'DG_JIT_CACHE_DIR' not in env:
-        env['DG_JIT_CACHE_DIR'] = JIT_CACHE
-        if os.path.isdir(CARRIED_JIT_CACHE) and not os.path.isdir(JIT_CACHE):
-            shutil.copytree(CARRIED_JIT_CACHE, JIT_CACHE)
+    # DeepGEMM's and Triton's compile caches: start from carried ones (if any) so a fresh machine
+    # skips the compiles an earlier run already did (same image, same sources: same cache keys).
+    for var, carried, local in (('DG_JIT_CACHE_DIR', CARRIED_JIT_CACHE, JIT_CACHE),
+                                ('TRITON_CACHE_DIR', CARRIED_TRITON_CACHE, TRITON_CACHE)):
+        if var not in env:
+            env[var] = local
+            if os.path.isdir(carried) and not os.path.isdir(local):
+                shutil.copytree(carried, local)
     return env
 
 
@@ -212,6 +217,8 @@ def run_peers(args, shapes, tokens) -> list[dict]:
                    '--tokens', ','.join(map(str, tokens)), '--out', part,
                    '--budget-s', str(args.peer_timeout * 0.8), '--point-budget-s', str(args.point_budget_s)]
             jobs.append((peer, shape, part, cmd))
+    if args.parallel > 1:   # compile-heavy children first, so their compiles overlap the rest
+        jobs.sort(key=lambda j: j[0] not in JIT_PEERS)
     records = []
     pending = list(jobs)
     running = []
