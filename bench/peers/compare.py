@@ -222,7 +222,14 @@ def run_peers(args, shapes, tokens) -> list[dict]:
     records = []
     pending = list(jobs)
     running = []
+    deadline = time.time() + args.total_timeout if args.total_timeout > 0 else float('inf')
     while pending or running:
+        if time.time() > deadline and pending:
+            for peer, shape, part, cmd in pending:
+                records += [{'system': peer, 'shape': shape, 'tokens': t, 'routing': 'uniform',
+                             'status': 'skipped', 'reason': f'--total-timeout {args.total_timeout:.0f} s reached'}
+                            for t in tokens]
+            pending = []
         while pending and len(running) < max(1, args.parallel):
             peer, shape, part, cmd = pending.pop(0)
             logf = open(os.path.join(args.out, f'{peer}_{shape}.log'), 'w+')
@@ -235,7 +242,7 @@ def run_peers(args, shapes, tokens) -> list[dict]:
         for item in list(running):
             peer, shape, part, proc, logf, t0 = item
             rc = proc.poll()
-            if rc is None and time.time() - t0 > args.peer_timeout:
+            if rc is None and (time.time() - t0 > args.peer_timeout or time.time() > deadline):
                 proc.kill()
                 proc.wait()
                 rc = 'timeout'
@@ -351,6 +358,8 @@ def main() -> int:
     ap.add_argument('--warm-parallel', type=int, default=0,
                     help='before timing, run the JIT peers once per T in this many parallel children')
     ap.add_argument('--warm-timeout', type=float, default=180.0)
+    ap.add_argument('--total-timeout', type=float, default=0.0,
+                    help='seconds for all peer children together (0: none); the rest is marked skipped')
     ap.add_argument('--parallel', type=int, default=1,
                     help='children at once; > 1 only to check correctness / warm JIT caches (times invalid)')
     args = ap.parse_args()
