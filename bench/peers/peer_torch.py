@@ -59,10 +59,11 @@ class TorchBf16Chain:
                 l1 = l1 + self.b13[expert_sorted]
             g = l1[:, :i].float()
             u = l1[:, i:].float()
-            v = activation(shape, g, u) * inp.topk_weights.flatten()[order].unsqueeze(1)
+            route_w = inp.topk_weights.flatten()[order].unsqueeze(1)
+            v = activation(shape, g, u) * route_w
             o = torch._grouped_mm(v.to(torch.bfloat16), self.w2_t, offs=offs)   # [S, H] bf16
-            if self.b2 is not None:
-                o = o + self.b2[expert_sorted]
+            if self.b2 is not None:   # the routing weight scales the whole expert output
+                o = (o.float() + self.b2[expert_sorted].float() * route_w).to(torch.bfloat16)
             slots = torch.empty_like(o)
             slots.index_copy_(0, order, o)
             return slots.view(t_count, k, h).float().sum(1).to(torch.bfloat16)

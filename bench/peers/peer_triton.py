@@ -106,8 +106,9 @@ class TritonMatmulOgs:
                                  precision_config=self.pc13)
             l1 = l1.view(s_count, 2 * i)
             v = activation(shape, l1[:, :i].float(), l1[:, i:].float()) * gate_scal.unsqueeze(1)
+            # betas scale the bias per row: the L2 bias is weighted like the rest of the output.
             y = k['matmul_ogs'](v.to(torch.bfloat16), self.w2, self.b2, routing, scatter_indx=scatter,
-                                precision_config=self.pc2)
+                                precision_config=self.pc2, betas=None if self.b2 is None else gate_scal)
             return y.view(t_count, shape.hidden)
 
         return run

@@ -82,15 +82,19 @@ def _slots(topk_idx: torch.Tensor):
 
 
 def _per_expert_matmul(rows: torch.Tensor, experts: torch.Tensor, codes: torch.Tensor,
-                       sf: torch.Tensor, bias, out_dtype) -> torch.Tensor:
-    """out[s] = rows[s] @ W[experts[s]]^T (+ bias) with W dequantized in FP64, accumulated in FP64."""
+                       sf: torch.Tensor, bias, out_dtype, bias_scale=None) -> torch.Tensor:
+    """out[s] = rows[s] @ W[experts[s]]^T (+ bias[experts[s]] * bias_scale[s]) with W dequantized
+    in FP64, accumulated in FP64."""
     out = torch.empty((rows.shape[0], codes.shape[1]), dtype=torch.float64, device=rows.device)
     for e in torch.unique(experts).tolist():
         sel = (experts == e).nonzero(as_tuple=True)[0]
         w = dequant_mxfp4(codes[e], sf[e], torch.float64)
         acc = rows[sel].to(torch.float64) @ w.T
         if bias is not None:
-            acc = acc + bias[e].to(torch.float64)
+            b = bias[e].to(torch.float64).unsqueeze(0)
+            if bias_scale is not None:
+                b = b * bias_scale[sel].to(torch.float64).unsqueeze(1)
+            acc = acc + b
         out[sel] = acc
     return out.to(out_dtype)
 
@@ -106,9 +110,11 @@ def contract_forward(shape: Shape, w: MxWeights, x: torch.Tensor, topk_idx: torc
     acc = _per_expert_matmul(x_deq[t_idx], experts, w.w13, w.w13_sf, w.w13_bias, torch.float32)
     g = acc[:, :i].to(torch.bfloat16).to(torch.float32)
     u = acc[:, i:].to(torch.bfloat16).to(torch.float32)
-    v = activation(shape, g, u) * topk_weights[t_idx, k_idx].unsqueeze(1)
+    route_w = topk_weights[t_idx, k_idx]
+    v = activation(shape, g, u) * route_w.unsqueeze(1)
     _, _, h_deq = requantize_intermediate(v)
-    o = _per_expert_matmul(h_deq, experts, w.w2, w.w2_sf, w.w2_bias, torch.float32).to(torch.bfloat16)
+    # L2 bias (GPT-OSS) is scaled by the routing weight, as the weight scales the expert's output.
+    o = _per_expert_matmul(h_deq, experts, w.w2, w.w2_sf, w.w2_bias, torch.float32, route_w).to(torch.bfloat16)
     # Combine: FP32 sum over k ascending, starting from 0, one rounding (section 6).
     slot_out = torch.zeros((t_count, shape.top_k, h), dtype=torch.float32, device=x.device)
     slot_out[t_idx, k_idx] = o.to(torch.float32)
@@ -126,8 +132,9 @@ def ideal_forward(shape: Shape, w: MxWeights, x: torch.Tensor, topk_idx: torch.T
     t_idx, k_idx, experts = _slots(topk_idx)
     acc = _per_expert_matmul(x.to(torch.float64)[t_idx], experts, w.w13, w.w13_sf, w.w13_bias,
                              torch.float64)
-    v = activation(shape, acc[:, :i], acc[:, i:]) * topk_weights[t_idx, k_idx].to(torch.float64).unsqueeze(1)
-    o = _per_expert_matmul(v, experts, w.w2, w.w2_sf, w.w2_bias, torch.float64)
+    route_w = topk_weights[t_idx, k_idx].to(torch.float64)
+    v = activation(shape, acc[:, :i], acc[:, i:]) * route_w.unsqueeze(1)
+    o = _per_expert_matmul(v, experts, w.w2, w.w2_sf, w.w2_bias, torch.float64, route_w)
     y = torch.zeros((t_count, h), dtype=torch.float64, device=x.device)
     y.index_add_(0, t_idx, o)
     return y

@@ -39,7 +39,9 @@ def peer_classes():
     from peer_torch import TorchBf16Chain
     from peer_deepgemm import DeepGemmFp8Chain, DeepGemmMegaMoe
     from peer_triton import TritonMatmulOgs
-    return {c.name: c for c in (TorchBf16Chain, DeepGemmFp8Chain, DeepGemmMegaMoe, TritonMatmulOgs)}
+    from peer_megamoe import MegamoePython
+    return {c.name: c for c in (TorchBf16Chain, DeepGemmFp8Chain, DeepGemmMegaMoe, TritonMatmulOgs,
+                                MegamoePython)}
 
 
 def input_seed(num_tokens: int, set_index: int) -> int:
@@ -207,7 +209,7 @@ def measure_ceilings(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--peer', help='one of: ' + ', '.join(['torch-bf16', 'deepgemm-fp8', 'deepgemm-mega', 'triton-mxfp4']))
+    ap.add_argument('--peer', help='one of: torch-bf16, deepgemm-fp8, deepgemm-mega, triton-mxfp4, megamoe-py')
     ap.add_argument('--shape', choices=sorted(SHAPES))
     ap.add_argument('--tokens', default=','.join(map(str, common.TOKEN_COUNTS)))
     ap.add_argument('--out', help='JSON lines file to append to')
