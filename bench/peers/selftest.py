@@ -4,6 +4,7 @@
   - reference.py's quantizers on hand-made blocks (numerics.md sections 2 and 5);
   - contract_forward against ideal_forward: diff in the FP8 x MXFP4 range of numerics.md section 8;
   - the torch BF16 chain against the FP64 ideal;
+  - reference.py against megamoe's CPU reference, bit for bit, where `import megamoe` works;
   - the DeepGEMM chain's dispatch / padding / combine glue (masked and contiguous layouts), with the
     two DeepGEMM GEMMs replaced by a torch model of their documented semantics, so an indexing
     mistake in the glue fails here rather than on the GPU.
@@ -125,11 +126,39 @@ def test_deepgemm_glue():
               f'deepgemm glue ({peer.layout_for(t)}, T={t}) vs FP64 ideal diff {c["diff"]:.2e}')
 
 
+def test_against_megamoe_cpu_reference():
+    """reference.py must equal megamoe's CPU reference bit for bit (fast_math = false), when the
+    megamoe Python package is importable (PYTHONPATH=<build>/python)."""
+    try:
+        import megamoe
+        import numpy as np
+    except Exception as exc:
+        print(f'skip megamoe CPU reference cross-check: {type(exc).__name__}: {exc}')
+        return
+    for name in ('small', 'kimi-k3', 'gpt-oss-120b'):
+        cfg = megamoe.LayerConfig(name)
+        cfg.fast_math = False
+        shape = dataclasses.replace(common.SHAPES[name], hidden=256, intermediate=128, num_experts=8,
+                                    bench_experts=8, top_k=4)
+        cfg.shape = megamoe.LayerShape(shape.hidden, shape.intermediate, shape.num_experts, shape.top_k)
+        w = common.synthetic_weights(shape, 7, 'cpu')
+        inp = common.make_inputs(shape, 19, 3, 'cpu')
+        bias = lambda b: None if b is None else b.view(torch.uint16).numpy()
+        mw = megamoe.MoeWeights.from_arrays(w.w13.numpy(), w.w13_sf.numpy(), w.w2.numpy(), w.w2_sf.numpy(), 0,
+                                            bias(w.w13_bias), bias(w.w2_bias))
+        y_core = np.asarray(megamoe.reference_forward(cfg, mw, inp.x.view(torch.uint16).numpy(),
+                                                      inp.topk_idx.numpy(), inp.topk_weights.numpy()))
+        y_core = torch.from_numpy(y_core.view(np.int16)).view(torch.bfloat16)
+        y_mine = reference.contract_forward(shape, w, inp.x, inp.topk_idx, inp.topk_weights)
+        check(torch.equal(y_core, y_mine), f'{name} ({shape.activation}): reference.py == megamoe CPU reference, bit for bit')
+
+
 def main() -> int:
     torch.manual_seed(0)
     test_quantizers()
     test_reference_and_torch_chain()
     test_deepgemm_glue()
+    test_against_megamoe_cpu_reference()
     print(f'{len(FAILURES)} failed' if FAILURES else 'all passed')
     return 1 if FAILURES else 0
 
