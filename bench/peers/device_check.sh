@@ -4,7 +4,7 @@
 # parallel run are marked invalid), and bundles logs and the compile caches into $OUT:
 #   peers_check.tgz (table, JSON lines, plot, per-peer logs), dg_jit_cache.tgz, triton_cache.tgz
 # Unpack the two caches into .whl/dg_jit_cache and .whl/triton_cache to let later runs skip compiles.
-#   carry: [".whl"]      env: TOKENS (default 1,512), SHAPES, CHECK_TIMEOUT (seconds for all peers, default 160)
+#   carry: [".whl"]      env: TOKENS (default 1,512), SHAPES, CHECK_TIMEOUT (seconds for all peers, default 150)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -13,7 +13,7 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_N
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 echo "nvcc: $(command -v nvcc) $(nvcc --version 2>/dev/null | tail -1)"
 python3 bench/peers/compare.py --skip-megamoe --shapes "${SHAPES:-kimi-k3,deepseek-v3}" --tokens "${TOKENS:-1,512}" \
-  --parallel 4 --peer-timeout 140 --total-timeout "${CHECK_TIMEOUT:-160}" --out /tmp/peers_check
+  --parallel 4 --peer-timeout 140 --total-timeout "${CHECK_TIMEOUT:-150}" --out /tmp/peers_check
 echo "compare.py rc=$?"
 tar czf "$OUT/peers_check.tgz" -C /tmp peers_check
 for d in megamoe_peers_dg_jit_cache megamoe_peers_triton_cache; do
