@@ -142,7 +142,10 @@ void Sm90Layer::init_workspace() {
   const int64_t slots = config_.max_tokens_per_rank * config_.shape.top_k;
   MEGAMOE_CHECK_ARG(slots <= INT32_MAX, "sm90 backend: max_tokens_per_rank * top_k = ", slots,
                     " exceeds the int32 row index range");
-  route_num_warps(config_.num_local_experts());  // throws when the histograms cannot fit
+  // Throws when the histograms cannot fit; raises the kernel's shared-memory limit now so that
+  // forward() makes no attribute call (graph capture).
+  const int route_warps = route_num_warps(config_.num_local_experts());
+  configure_route_smem(static_cast<size_t>(route_warps) * config_.num_local_experts() * sizeof(int32_t));
 
   // ---- workspace, once, for the capacity ----
   const Device here = Device::cuda(device_);

@@ -2,6 +2,7 @@
 #include "moe/sm90_stages.hpp"
 
 #include <algorithm>
+#include <mutex>
 
 #include "megamoe/error.hpp"
 #include "runtime/cuda_check.hpp"
@@ -60,6 +61,20 @@ int route_num_warps(int64_t num_local) {
   return static_cast<int>(warps);
 }
 
+void configure_route_smem(size_t smem_bytes) {
+  // NOTES: the opt-in limit is a per-function attribute, raised only when a larger value is
+  // needed. Sm90Layer sets it at construction, so a forward() captured into a CUDA graph makes no
+  // attribute call at all.
+  static std::mutex mutex;
+  static size_t configured = 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (smem_bytes <= configured) return;
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(sm90_route_topk_kernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem_bytes)));
+  configured = smem_bytes;
+}
+
 void launch_route(const RouteParams& params, cudaStream_t stream) {
   MEGAMOE_CHECK_ARG(params.num_slots >= 0 && params.num_slots <= INT32_MAX,
                     "route: expected 0 <= T*K <= 2^31-1, got ", params.num_slots);
@@ -70,11 +85,7 @@ void launch_route(const RouteParams& params, cudaStream_t stream) {
                     params.num_experts, ")");
   const int num_warps = route_num_warps(params.num_local);
   const size_t smem = static_cast<size_t>(num_warps) * params.num_local * sizeof(int32_t);
-  // NOTES: the opt-in attribute is a per-function property; setting it every launch is cheap and
-  // legal during graph capture (it is not a stream operation).
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(sm90_route_topk_kernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
+  configure_route_smem(smem);
   sm90_route_topk_kernel<<<1, kRouteMaxWarps * kRouteWarpSize, smem, stream>>>(params, num_warps);
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }

@@ -27,6 +27,10 @@ void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden
 // (>= 1; throws kUnsupported when not even one warp's histogram fits).
 int route_num_warps(int64_t num_local);
 
+// Raises the route kernel's dynamic shared-memory limit to at least `smem_bytes` (host call,
+// not a stream operation; launch_route calls it too, Sm90Layer at construction).
+void configure_route_smem(size_t smem_bytes);
+
 void launch_route(const RouteParams& params, cudaStream_t stream);
 
 // max_rows: host-known bound on routed rows (T * K).
