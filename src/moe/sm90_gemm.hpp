@@ -12,6 +12,13 @@
 //        same values dequantized to BF16 (exact), which is L2's operand.
 //   L2:  out[r, n] = bf16( sum_j h_act[r, j] * W2_e[n, j] )   n in [0, H), j in [0, I)
 //
+// Requirements (checked, kInvalidArgument/kUnsupported naming the field): H % 64 == 0,
+// I % 64 == 0, 1 <= E_l <= 1024, weights in the "sm90" layout (src/prep/sm90_layout.hpp),
+// row_offsets non-decreasing with row_offsets[E_l] <= max_rows (checked on the device: a bad
+// offset traps with a printed message). max_rows == 0 and experts without rows are valid.
+// Bias: L1 adds the fp32 bias to the accumulators before the BF16 rounding of g/u; L2 computes
+// out = bf16(acc + row_weight * bias).
+//
 // Operands in exact mode are BF16 values that carry E4M3 x 2^s and E2M1 x 2^s exactly; the
 // products are exact and accumulation is FP32 (wgmma), so only summation order differs from the
 // CPU reference.
@@ -34,6 +41,8 @@ struct L1Args {
   int64_t hidden = 0;                   // H (reduction)
   int64_t intermediate = 0;             // I (output: 2I accumulators, I activations)
   int64_t max_rows = 0;                 // capacity in rows (host-known upper bound of routed rows)
+  int64_t rows_bound = 0;               // routed rows of THIS call are at most this (T*K); only
+                                        // picks the tile config (0 = max_rows); never a limit
   const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
   const uint16_t* act = nullptr;        // device bf16 [max_rows + kRowSlack, H]
   const float* row_weights = nullptr;   // device fp32 [max_rows]
@@ -52,6 +61,7 @@ struct L2Args {
   int64_t hidden = 0;                   // H (output)
   int64_t intermediate = 0;             // I (reduction)
   int64_t max_rows = 0;
+  int64_t rows_bound = 0;               // as in L1Args
   const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
   const uint16_t* h_act = nullptr;      // device bf16 [max_rows + kRowSlack, I]
   const float* row_weights = nullptr;   // device fp32 [max_rows] (scales the L2 bias only)

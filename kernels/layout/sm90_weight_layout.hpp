@@ -1,0 +1,149 @@
+// sm90_weight_layout.hpp: the "sm90" prepared layout of MXFP4 expert weights, shared by the host
+// preparation (src/prep/sm90_layout.*) and the Hopper GEMM kernels (kernels/sm90/).
+//
+// The kernels compute D[M, N] = W[M, K] * X[N, K]^T with wgmma m64nNk16, the weight as the A
+// operand FROM REGISTERS (converted E2M1 x 2^s -> BF16 in registers) and the token rows as the B
+// operand from shared memory (swap A/B, as for mixed-input GEMMs). The layout puts every A
+// fragment a thread needs for one 64x64 (rows x k) block in 16 consecutive bytes:
+//
+//   matrix [M, K] of one expert (M % 64 == 0, K % 64 == 0)
+//   -> blocks [M/64 (mb)][K/64 (kb)], each 2048 bytes = 128 threads x 16 bytes
+//      thread (0..127) = 32 * warp + 4 * g + t  (warp of the warpgroup, g = lane/4, t = lane%4)
+//      its 16 bytes = 4 words, word s = the k16 step s of the block (k = 64 kb + 16 s + ...)
+//      word s holds 8 nibbles; nibble n = i + 4 e is element e (0/1) of A register i (0..3):
+//         register i: row  16 warp + g + 8 (i & 1)      (wgmma A fragment, m64k16 bf16)
+//                     cols 16 s + 2 t + 8 (i >> 1) + e
+//      so register i's two BF16 halves come from nibbles i (bits 4i..4i+3) and i+4
+//      (bits 16+4i..19+4i): a shift and two masks place both at their BF16 bit positions.
+//   scales [M/64][K/64], each 128 bytes: byte 4 (8 warp + g) + 2 half + j = scale of
+//      row 16 warp + g + 8 half, k group 2 kb + j. A thread reads its 4 scale bytes as one word.
+//
+// L1 (w13, M = 2I): rows are first interleaved in groups of 8 so one warp's 16-row slice holds
+// gate rows 8q..8q+7 (rows g) and the matching up rows (rows g + 8): prepared row 16q + r is
+// gate row 8q + r (r < 8), prepared row 16q + 8 + r is up row 8q + r. One 64-row block then
+// holds exactly the 32 intermediate channels [32 mb, 32 mb + 32): one requantization group.
+// L2 (w2, M = H): no row permutation.
+//
+// Everything here is a pure index permutation of nibbles and scale bytes: the prepared buffers
+// have exactly the canonical byte sizes and the transform has an exact inverse.
+#pragma once
+
+#include <cstdint>
+
+#include "megamoe/formats.hpp"
+
+namespace megamoe::sm90_layout {
+
+constexpr int kBlockRows = 64;                                  // wgmma M: one warpgroup
+constexpr int kBlockK = 64;                                     // 4 wgmma k16 steps
+constexpr int kStepK = 16;                                      // wgmma K for bf16
+constexpr int kStepsPerBlock = kBlockK / kStepK;                // 4 words per thread
+constexpr int kThreadsPerBlock = 128;                           // one warpgroup
+constexpr int kThreadBytes = kStepsPerBlock * 4;                // 16: one 128-bit load
+constexpr int kBlockBytes = kBlockRows * kBlockK / 2;           // 2048
+constexpr int kSfBlockBytes = kBlockRows * kBlockK / kScaleBlock;  // 128
+constexpr int kInterleave = 8;                                  // gate/up group size
+constexpr int kRowAlign = 64;                                   // M % 64 == 0
+constexpr int kColAlign = 64;                                   // K % 64 == 0
+
+static_assert(kThreadsPerBlock * kThreadBytes == kBlockBytes, "one 16-byte load per thread");
+static_assert(kBlockK == 2 * kScaleBlock, "a block spans two scale groups (j = 0, 1)");
+
+// ---------------------------------------------------------------------------------------------
+// Row permutation of L1 (gate/up interleave) and its inverse. I = intermediate.
+// ---------------------------------------------------------------------------------------------
+MEGAMOE_HD int64_t w13_canonical_row(int64_t prepared_row, int64_t intermediate) {
+  const int64_t q = prepared_row / (2 * kInterleave);
+  const int64_t r = prepared_row % (2 * kInterleave);
+  return r < kInterleave ? q * kInterleave + r : intermediate + q * kInterleave + (r - kInterleave);
+}
+
+MEGAMOE_HD int64_t w13_prepared_row(int64_t canonical_row, int64_t intermediate) {
+  const bool up = canonical_row >= intermediate;
+  const int64_t j = up ? canonical_row - intermediate : canonical_row;
+  return (j / kInterleave) * 2 * kInterleave + (up ? kInterleave : 0) + j % kInterleave;
+}
+
+// Canonical row of prepared row p for either matrix.
+MEGAMOE_HD int64_t canonical_row(bool interleave, int64_t p, int64_t intermediate) {
+  return interleave ? w13_canonical_row(p, intermediate) : p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Word-level description: prepared word index -> the 4 canonical bytes it is built from.
+// Word index within one expert's matrix: ((mb * KB + kb) * 128 + thread) * 4 + s, KB = K / 64.
+// Canonical byte (row, k/2) holds k (low nibble) and k+1 (high nibble): elements e = 0, 1 of one
+// A register, so prepared word = sum_i lo(byte_i) << 4i | hi(byte_i) << (16 + 4i).
+// ---------------------------------------------------------------------------------------------
+struct WordSource {
+  int64_t row[4];        // canonical row of register i
+  int64_t byte_col[4];   // canonical byte column (k / 2) of register i
+};
+
+MEGAMOE_HD WordSource word_source(int64_t word, int64_t cols, bool interleave,
+                                  int64_t intermediate) {
+  const int64_t kb_count = cols / kBlockK;
+  const int s = static_cast<int>(word % kStepsPerBlock);
+  const int thread = static_cast<int>((word / kStepsPerBlock) % kThreadsPerBlock);
+  const int64_t block = word / (kStepsPerBlock * kThreadsPerBlock);
+  const int64_t mb = block / kb_count;
+  const int64_t kb = block % kb_count;
+  const int warp = thread / 32, g = (thread % 32) / 4, t = thread % 4;
+  WordSource src;
+  for (int i = 0; i < 4; ++i) {
+    const int64_t p = mb * kBlockRows + 16 * warp + g + 8 * (i & 1);
+    const int64_t k = kb * kBlockK + kStepK * s + 2 * t + 8 * (i >> 1);  // even: element e = 0
+    src.row[i] = canonical_row(interleave, p, intermediate);
+    src.byte_col[i] = k / 2;
+  }
+  return src;
+}
+
+MEGAMOE_HD uint32_t pack_word(const uint8_t bytes[4]) {
+  uint32_t w = 0;
+  for (int i = 0; i < 4; ++i) {
+    w |= static_cast<uint32_t>(bytes[i] & 0xF) << (4 * i);
+    w |= static_cast<uint32_t>(bytes[i] >> 4) << (16 + 4 * i);
+  }
+  return w;
+}
+
+MEGAMOE_HD uint8_t unpack_word_byte(uint32_t w, int i) {
+  return static_cast<uint8_t>(((w >> (4 * i)) & 0xF) | (((w >> (16 + 4 * i)) & 0xF) << 4));
+}
+
+// Prepared scale byte index (within one expert) -> canonical (row, k group).
+MEGAMOE_HD void scale_source(int64_t index, int64_t cols, bool interleave, int64_t intermediate,
+                             int64_t* row, int64_t* group) {
+  const int64_t kb_count = cols / kBlockK;
+  const int within = static_cast<int>(index % kSfBlockBytes);
+  const int64_t block = index / kSfBlockBytes;
+  const int64_t mb = block / kb_count, kb = block % kb_count;
+  const int lane_group = within / 4;  // 8 warp + g
+  const int warp = lane_group / 8, g = lane_group % 8;
+  const int half = (within % 4) / 2, j = within % 2;
+  const int64_t p = mb * kBlockRows + 16 * warp + g + 8 * half;
+  *row = canonical_row(interleave, p, intermediate);
+  *group = kb * 2 + j;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device-side decoding of one prepared word (used by the GEMM mainloop).
+// E2M1 magnitude bits (e1 e0 m) moved to BF16 bits 8..6 read as a BF16 equal to the E2M1 value
+// times 2^-126 (codes 0/1 become BF16 subnormals, which BF16 arithmetic keeps); the sign goes to
+// bit 15 (31 for the high half). Two exact multiplies give E2M1 x 2^(b - 127): by 2^126, then by
+// the scale 2^(b - 127). NOTES: one multiply by 2^(b - 1) would save an instruction but 2^(b - 1)
+// exceeds the BF16 range for b > 128 (legal, if unusual, weight scales).
+// ---------------------------------------------------------------------------------------------
+constexpr uint32_t kSignMask = 0x80008000u;
+constexpr uint32_t kMagMask = 0x01C001C0u;
+constexpr uint32_t kDecodeUnscale = 0x7E807E80u;  // BF16x2 (2^126, 2^126)
+
+// BF16 bits of the UE8M0 scale 2^(b - 127) (exact for every b; 0xFF -> NaN).
+MEGAMOE_HD uint32_t scale_bf16_bits(uint32_t b) {
+  if (b == kUe8m0NaN) return 0x7FC0u;
+  if (b >= 1) return b << 7;
+  return 0x0040u;  // 2^-127: a BF16 subnormal
+}
+
+}  // namespace megamoe::sm90_layout

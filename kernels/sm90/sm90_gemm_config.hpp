@@ -1,0 +1,110 @@
+// sm90_gemm_config.hpp: tile configurations of the Hopper grouped GEMMs, the kernel parameter
+// struct (the kernel ABI), and the shared-memory layout used by both the launcher (sizing) and
+// the kernel (offsets). Host + device.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "layout/sm90_weight_layout.hpp"
+#include "megamoe/activation.hpp"
+
+namespace megamoe::sm90 {
+
+enum class GemmKind : int {
+  kL1 = 0,  // W13 x act -> activation, row weight, per-32 requantization (h_q, h_sf, h_act)
+  kL2 = 1,  // W2 x h_act -> bf16 out (+ row_weight * bias)
+};
+
+// Most local experts one launch schedules: the per-expert row offsets and tile prefix live in
+// shared memory (8 bytes per expert). Kimi-K3 without expert parallelism has 896.
+constexpr int kMaxLocalExperts = 1024;
+
+// The kernel ABI: raw pointers and sizes only.
+struct GemmParams {
+  int num_experts = 0;        // E_l
+  int k = 0;                  // reduction: H (L1) or I (L2)
+  int m_rows = 0;             // prepared weight rows per expert: 2I (L1) or H (L2)
+  int max_rows = 0;           // row capacity (row_offsets[E_l] must not exceed it)
+  const int32_t* row_offsets = nullptr;  // [E_l + 1]
+  const uint8_t* w = nullptr;            // sm90 layout, [E_l, m_rows, k/2] bytes
+  const uint8_t* sf = nullptr;           // sm90 layout, [E_l, m_rows, k/32] bytes
+  const float* row_weights = nullptr;    // [max_rows]
+  const uint16_t* bias = nullptr;        // bf16 [E_l, m_rows] canonical row order, or nullptr
+  // L1 epilogue
+  int intermediate = 0;
+  Activation activation;
+  bool fast_math = true;
+  uint8_t* h_q = nullptr;                // [max_rows, I]
+  uint8_t* h_sf = nullptr;               // [max_rows, I/32]
+  uint16_t* h_act = nullptr;             // [max_rows, I]
+  // L2 epilogue
+  uint16_t* out = nullptr;               // [max_rows, H]
+};
+
+// One tile configuration. The CTA has kNumMathWG consumer warpgroups (each kMBlocksPerWG
+// 64-row weight blocks x up to kBlockN token rows) and one producer warpgroup whose first thread
+// issues the copies.
+template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
+          int kMinBlocksPerSM_>
+struct GemmConfig {
+  static constexpr int kNumMathWG = kNumMathWG_;
+  static constexpr int kMBlocksPerWG = kMBlocksPerWG_;
+  static constexpr int kMBlocksPerCta = kNumMathWG * kMBlocksPerWG;
+  static constexpr int kBlockM = sm90_layout::kBlockRows * kMBlocksPerCta;
+  static constexpr int kBlockN = kBlockN_;    // token rows per tile (TMA box rows)
+  static constexpr int kNStep = kNStep_;      // granularity of the per-tile wgmma N
+  static constexpr int kNumStages = kNumStages_;
+  static constexpr int kMinBlocksPerSM = kMinBlocksPerSM_;
+  static constexpr int kBlockK = sm90_layout::kBlockK;
+  static constexpr int kWarpgroupThreads = 128;
+  static constexpr int kThreads = kWarpgroupThreads * (kNumMathWG + 1);
+
+  // NOTES: setmaxnreg only takes effect with a register cap at entry (1 block per SM); the
+  // producer needs few registers, the math warpgroups hold kMBlocksPerWG x kBlockN/2 fp32
+  // accumulators plus two sets of converted A fragments.
+  static constexpr bool kUseSetMaxNReg = kMinBlocksPerSM == 1 && kNumMathWG >= 2;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kMathRegs = 232;
+
+  // Shared memory per stage.
+  static constexpr int kSmemBBytes = kBlockN * kBlockK * 2;                 // bf16, 128B-swizzled
+  static constexpr int kSmemABytes = kMBlocksPerCta * sm90_layout::kBlockBytes;
+  static constexpr int kSmemSfBytes = kMBlocksPerCta * sm90_layout::kSfBlockBytes;
+
+  // Layout (offsets from a 1024-byte aligned base): B stages, A stages, SF stages, full/empty
+  // barriers, epilogue amax exchange, schedule (row offsets + tile prefix, E_l + 1 each).
+  static constexpr size_t kOffB = 0;
+  static constexpr size_t kOffA = kOffB + static_cast<size_t>(kNumStages) * kSmemBBytes;
+  static constexpr size_t kOffSf = kOffA + static_cast<size_t>(kNumStages) * kSmemABytes;
+  static constexpr size_t kOffBars = kOffSf + static_cast<size_t>(kNumStages) * kSmemSfBytes;
+  static constexpr size_t kOffAmax = kOffBars + 2 * kNumStages * sizeof(uint64_t);
+  static constexpr size_t kAmaxBytes = static_cast<size_t>(kNumMathWG) * 4 * kBlockN * sizeof(float);
+  static constexpr size_t kOffSchedule = kOffAmax + kAmaxBytes;
+  static constexpr size_t kAlignSlack = 1024;  // the dynamic smem base is re-aligned to 1024
+
+  static constexpr size_t smem_bytes(int num_experts) {
+    return kAlignSlack + kOffSchedule + 2 * sizeof(int32_t) * static_cast<size_t>(num_experts + 1);
+  }
+
+  static_assert(kBlockN % 8 == 0 && kBlockN <= 256, "wgmma N is a multiple of 8, at most 256");
+  static_assert(kBlockN % kNStep == 0 && kNStep % 8 == 0, "N steps must tile BLOCK_N");
+  static_assert(kSmemBBytes % 1024 == 0, "each B stage must stay 1024-aligned (128B swizzle)");
+  static_assert(kOffA % 1024 == 0 && kOffSf % 16 == 0 && kOffBars % 8 == 0,
+                "bulk copy destinations 16-aligned, barriers 8-aligned");
+  static_assert(kNumMathWG * 4 <= 15, "named barriers 1..kNumMathWG");
+};
+
+// The configurations that ship (one table; see the launcher for when each is used):
+//   Decode : few rows per expert (T <= ~512 per rank). 1 math warpgroup, 64-row weight tiles,
+//            16 token rows, 16 stages, 2 CTAs per SM: many small tiles so the weight stream
+//            spreads over every SM; 2 CTAs x 16 stages x 2 KiB keep ~64 KiB of weights in flight.
+//   Prefill: many rows per expert. 2 math warpgroups x 2 weight blocks (BLOCK_M 256) x up to
+//            128 token rows, per-tile N rounded to 16; 7 stages of 24.5 KiB.
+// NOTES (rejected): BLOCK_M 128 x BLOCK_N 256 for prefill: at T = 4096 Kimi-K3 averages 73 rows
+// per expert, so a 256-row tile is mostly padding while the B tile is re-read by twice as many
+// weight tiles; 256 x 128 halves that L2 traffic. 3 CTAs/SM for decode costs stages (smem).
+using DecodeConfig = GemmConfig<1, 1, 16, 8, 16, 2>;
+using PrefillConfig = GemmConfig<2, 2, 128, 16, 7, 1>;
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,126 @@
+// sm90_gemm_epilogue.cuh: the epilogues of the grouped GEMMs, run by each math warpgroup on its
+// m64 x N accumulator blocks.
+//
+// Accumulator fragment (wgmma m64nN f32): warp w of the warpgroup holds rows 16w..16w+15; lane
+// (g = lane/4, t = lane%4) holds acc[4i + h] = (row 16w + g, col 8i + 2t + h) and
+// acc[4i + 2 + h] = (row 16w + g + 8, same col), h = 0, 1. Rows are weight rows, cols token rows.
+//
+// L1: with the sm90 gate/up interleave, row g is gate channel j and row g + 8 the up channel j of
+// the same j = 32 mb + 8w + g, so the activation needs no data exchange; the 32 channels of one
+// requantization group are the 64 rows of the block: amax over lanes (shuffles over g) and over
+// the 4 warps (shared memory).
+// L2: out[row, n] = bf16(acc (+ row_weight * bias[n])).
+#pragma once
+
+#include <cstdint>
+
+#include "megamoe/activation.hpp"
+#include "megamoe/formats.hpp"
+#include "megamoe/quantize.hpp"
+#include "ptx/sm90_ptx.cuh"
+#include "sm90/sm90_gemm_config.hpp"
+#include "sm90/sm90_gemm_scheduler.cuh"
+
+namespace megamoe::sm90 {
+
+constexpr int kChannelsPerGroup = 32;  // requantization group (numerics.md section 5)
+
+template <class Cfg>
+__device__ __forceinline__ void epilogue_l1(const GemmParams& p, const TileInfo& tile, int mblk,
+                                            const float (&acc)[Cfg::kBlockN / 2], float* smem_amax,
+                                            int wg, int tid) {
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int I = p.intermediate;
+  const int j = mblk * kChannelsPerGroup + warp * 8 + g;
+  float bias_gate = 0.0f, bias_up = 0.0f;
+  if (p.bias != nullptr) {
+    const int64_t base = static_cast<int64_t>(tile.expert) * 2 * I;
+    bias_gate = bf16_to_f32(p.bias[base + j]);
+    bias_up = bf16_to_f32(p.bias[base + I + j]);
+  }
+  float* amax_wg = smem_amax + wg * 4 * Cfg::kBlockN;
+  // NOTES: v lives in its own registers; writing it back into the accumulators would make ptxas
+  // fence (and serialize) the wgmmas that own them.
+  float vals[Cfg::kBlockN / 4];
+
+  // Activation, routing weight, and the per-warp part of the group amax.
+#pragma unroll
+  for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
+    if (8 * i < tile.num_rows) {  // uniform over the warpgroup
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = 8 * i + 2 * t + h;
+        float v = 0.0f;
+        if (col < tile.num_rows) {
+          const float gate = bf16_round(acc[4 * i + h] + bias_gate);
+          const float up = bf16_round(acc[4 * i + 2 + h] + bias_up);
+          v = apply_activation(p.activation, gate, up, p.fast_math) *
+              __ldg(p.row_weights + tile.row0 + col);
+        }
+        vals[2 * i + h] = v;
+        float a = fabsf(v);
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 8));
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
+        if (g == 0) amax_wg[warp * Cfg::kBlockN + col] = a;
+      }
+    }
+  }
+  ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
+
+  // Requantize: scale from the amax over the 4 warps, E4M3 code, and its exact BF16 value.
+#pragma unroll
+  for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
+    if (8 * i < tile.num_rows) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = 8 * i + 2 * t + h;
+        if (col < tile.num_rows) {
+          float amax = amax_wg[col];
+#pragma unroll
+          for (int w = 1; w < 4; ++w) amax = fmaxf(amax, amax_wg[w * Cfg::kBlockN + col]);
+          const int b = intermediate_scale_exponent(amax);
+          const uint8_t q = e4m3_quantize_scaled(vals[2 * i + h], b);
+          const int64_t row = tile.row0 + col;
+          p.h_q[row * I + j] = q;
+          p.h_act[row * I + j] = bf16_from_f32(e4m3_to_f32(q) * exp2i(b - kUe8m0Bias));
+          if (warp == 0 && g == 0) {
+            p.h_sf[row * (I / kChannelsPerGroup) + mblk] = static_cast<uint8_t>(b);
+          }
+        }
+      }
+    }
+  }
+  ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // amax_wg is reused next
+}
+
+template <class Cfg>
+__device__ __forceinline__ void epilogue_l2(const GemmParams& p, const TileInfo& tile, int mblk,
+                                            const float (&acc)[Cfg::kBlockN / 2], int tid) {
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int H = p.m_rows;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int n = mblk * sm90_layout::kBlockRows + warp * 16 + g + 8 * half;
+    const float bias = p.bias != nullptr
+                           ? bf16_to_f32(p.bias[static_cast<int64_t>(tile.expert) * H + n])
+                           : 0.0f;
+#pragma unroll
+    for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
+      if (8 * i < tile.num_rows) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = 8 * i + 2 * t + h;
+          if (col < tile.num_rows) {
+            const int64_t row = tile.row0 + col;
+            float v = acc[4 * i + 2 * half + h];
+            if (p.bias != nullptr) v += __ldg(p.row_weights + row) * bias;
+            p.out[row * H + n] = bf16_from_f32(v);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,91 @@
+// sm90_gemm_scheduler.cuh: the persistent tile schedule of the grouped GEMMs, built on the device
+// from row_offsets (no host synchronization: the grid is sized from the SM count alone).
+//
+// Tiles are enumerated expert by expert; inside an expert, m-tile (weight rows) major and n-tile
+// (token rows) minor, so the tiles that share a weight tile run on neighbouring CTAs at about the
+// same time and re-read it from L2. CTA b takes tiles b, b + gridDim.x, ...
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe::sm90 {
+
+struct TileInfo {
+  int expert;
+  int m_block0;      // first 64-row weight block of the tile
+  int num_m_blocks;  // valid 64-row blocks (the last m-tile may be partial)
+  int row0;          // first token row
+  int num_rows;      // valid token rows, 1..BLOCK_N
+};
+
+template <int kBlockN, int kMBlocksPerCta>
+struct TileScheduler {
+  const int32_t* offsets;  // smem [E + 1]: row offsets
+  const int32_t* prefix;   // smem [E + 1]: exclusive prefix of tiles per expert
+  int num_experts;
+  int total_m_blocks;      // m_rows / 64
+  int m_tiles;             // ceil(total_m_blocks / kMBlocksPerCta)
+
+  __device__ int total_tiles() const { return prefix[num_experts]; }
+
+  __device__ TileInfo get(int tile) const {
+    // Last expert whose prefix <= tile (empty experts share their successor's prefix).
+    int lo = 0, hi = num_experts;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (prefix[mid] <= tile) lo = mid; else hi = mid;
+    }
+    const int rows = offsets[lo + 1] - offsets[lo];
+    const int n_tiles = (rows + kBlockN - 1) / kBlockN;
+    const int local = tile - prefix[lo];
+    const int mt = local / n_tiles, nt = local % n_tiles;
+    TileInfo info;
+    info.expert = lo;
+    info.m_block0 = mt * kMBlocksPerCta;
+    info.num_m_blocks = min(kMBlocksPerCta, total_m_blocks - info.m_block0);
+    info.row0 = offsets[lo] + nt * kBlockN;
+    info.num_rows = min(kBlockN, rows - nt * kBlockN);
+    return info;
+  }
+};
+
+// Loads row_offsets into shared memory, checks them, and writes the tile prefix. Called by all
+// kThreads threads of the CTA (contains __syncthreads).
+template <int kThreads, int kBlockN>
+__device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_experts,
+                               int max_rows, int m_tiles, int32_t* s_offsets, int32_t* s_prefix) {
+  __shared__ int32_t s_warp_sums[kThreads / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int e = tid; e <= num_experts; e += kThreads) s_offsets[e] = __ldg(row_offsets + e);
+  __syncthreads();
+  for (int e = tid; e < num_experts; e += kThreads) {
+    const int lo = s_offsets[e], hi = s_offsets[e + 1];
+    // Invalid offsets would index out of bounds: fail the launch (no printf: see mbar_wait).
+    if (lo < 0 || hi < lo || hi > max_rows) __trap();
+  }
+  int carry = 0;
+  for (int base = 0; base <= num_experts; base += kThreads) {
+    const int e = base + tid;
+    const int tiles =
+        e < num_experts ? m_tiles * ((s_offsets[e + 1] - s_offsets[e] + kBlockN - 1) / kBlockN) : 0;
+    int incl = tiles;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    if (lane == 31) s_warp_sums[warp] = incl;
+    __syncthreads();
+    int warp_offset = 0, total = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) {
+      warp_offset += w < warp ? s_warp_sums[w] : 0;
+      total += s_warp_sums[w];
+    }
+    if (e <= num_experts) s_prefix[e] = carry + warp_offset + incl - tiles;
+    carry += total;
+    __syncthreads();
+  }
+}
+
+}  // namespace megamoe::sm90

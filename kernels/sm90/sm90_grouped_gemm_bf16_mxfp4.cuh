@@ -1,0 +1,140 @@
+// sm90_grouped_gemm_bf16_mxfp4.cuh: the Hopper grouped expert GEMM, BF16 activations x MXFP4
+// weights, FP32 accumulation on wgmma (exact mode of numerics.md section 8).
+//
+//   D[n, r] = sum_k W_e[n, k] * X[r, k]   for the rows r of local expert e (row_offsets)
+//
+// Swap A/B: the weights are wgmma's A (M side, converted to BF16 in registers), the routed token
+// rows are B (N side, shared memory via TMA). One persistent CTA per SM slot walks the tiles
+// (expert, m-tile, n-tile) of the device-built schedule. Warp roles (one kernel, branches):
+//   producer warpgroup (last): thread 0 issues, per stage, one 1D bulk copy per 64-row weight block
+//                             (2 KiB), one per scale block (128 B) and one 2D TMA box of B rows;
+//   math warpgroups:          convert + wgmma (sm90_gemm_mainloop.cuh), then the epilogue of
+//                             the GEMM kind (sm90_gemm_epilogue.cuh).
+// Stages are guarded by full (TMA transaction bytes) and empty (one arrive per math warp)
+// mbarriers.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "ptx/sm90_ptx.cuh"
+#include "sm90/sm90_gemm_config.hpp"
+#include "sm90/sm90_gemm_epilogue.cuh"
+#include "sm90/sm90_gemm_mainloop.cuh"
+#include "sm90/sm90_gemm_scheduler.cuh"
+
+namespace megamoe::sm90 {
+
+// Calls f(std::integral_constant<int, N>) with N = the smallest multiple of kStep >= n.
+template <int kStep, int kMax, int kN = kStep, class F>
+__device__ __forceinline__ void dispatch_n(int n, F&& f) {
+  if constexpr (kN >= kMax) {
+    f(std::integral_constant<int, kMax>{});
+  } else {
+    if (n <= kN) f(std::integral_constant<int, kN>{});
+    else dispatch_n<kStep, kMax, kN + kStep>(n, f);
+  }
+}
+
+template <class Cfg, GemmKind kKind>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
+sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
+                                    const GemmParams p) {
+  // ---- shared memory carve-up (offsets: GemmConfig) ----
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* smem_b = smem + Cfg::kOffB;
+  uint8_t* smem_a = smem + Cfg::kOffA;
+  uint8_t* smem_sf = smem + Cfg::kOffSf;
+  uint64_t* full_bars = reinterpret_cast<uint64_t*>(smem + Cfg::kOffBars);
+  uint64_t* empty_bars = full_bars + Cfg::kNumStages;
+  float* smem_amax = reinterpret_cast<float*>(smem + Cfg::kOffAmax);
+  int32_t* s_offsets = reinterpret_cast<int32_t*>(smem + Cfg::kOffSchedule);
+  int32_t* s_prefix = s_offsets + (p.num_experts + 1);
+
+  const int wg = threadIdx.x / Cfg::kWarpgroupThreads;
+  const int tid = threadIdx.x % Cfg::kWarpgroupThreads;
+  const int total_m_blocks = p.m_rows / sm90_layout::kBlockRows;
+  const int m_tiles = (total_m_blocks + Cfg::kMBlocksPerCta - 1) / Cfg::kMBlocksPerCta;
+  const int num_k_blocks = p.k / Cfg::kBlockK;
+
+  // ---- setup: barriers and the tile schedule ----
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Cfg::kNumStages; ++s) {
+      ptx::mbar_init(&full_bars[s], 1);
+      ptx::mbar_init(&empty_bars[s], 4 * Cfg::kNumMathWG);  // one arrive per math warp
+    }
+    ptx::mbar_init_fence();
+    ptx::prefetch_tensor_map(&tmap_b);
+  }
+  build_schedule<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows, m_tiles,
+                                              s_offsets, s_prefix);
+  __syncthreads();
+  const TileScheduler<Cfg::kBlockN, Cfg::kMBlocksPerCta> sched{
+      s_offsets, s_prefix, p.num_experts, total_m_blocks, m_tiles};
+  const int num_tiles = sched.total_tiles();
+
+  if (wg == Cfg::kNumMathWG) {
+    // ================================ producer ================================
+    if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (tid != 0) return;
+    const uint64_t policy = ptx::policy_evict_first();
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const TileInfo tile = sched.get(t);
+      const uint32_t stage_bytes =
+          tile.num_m_blocks * (sm90_layout::kBlockBytes + sm90_layout::kSfBlockBytes) +
+          Cfg::kSmemBBytes;
+      const int64_t block_base =
+          (static_cast<int64_t>(tile.expert) * total_m_blocks + tile.m_block0) * num_k_blocks;
+      for (int kb = 0; kb < num_k_blocks; ++kb) {
+        ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
+        ptx::mbar_arrive_expect_tx(&full_bars[stage], stage_bytes);
+        for (int m = 0; m < tile.num_m_blocks; ++m) {
+          const int64_t block = block_base + static_cast<int64_t>(m) * num_k_blocks + kb;
+          ptx::bulk_copy_g2s(smem_a + stage * Cfg::kSmemABytes + m * sm90_layout::kBlockBytes,
+                             p.w + block * sm90_layout::kBlockBytes, sm90_layout::kBlockBytes,
+                             &full_bars[stage], policy);
+          ptx::bulk_copy_g2s(smem_sf + stage * Cfg::kSmemSfBytes + m * sm90_layout::kSfBlockBytes,
+                             p.sf + block * sm90_layout::kSfBlockBytes,
+                             sm90_layout::kSfBlockBytes, &full_bars[stage], policy);
+        }
+        ptx::tma_load_2d(smem_b + stage * Cfg::kSmemBBytes, &tmap_b, kb * Cfg::kBlockK, tile.row0,
+                         &full_bars[stage]);
+        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+      }
+    }
+  } else {
+    // ================================ math ================================
+    if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_inc<Cfg::kMathRegs>();
+    using ML = Mainloop<Cfg>;
+    float acc[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2];
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const TileInfo tile = sched.get(t);
+      bool valid[Cfg::kMBlocksPerWG];
+#pragma unroll
+      for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+        valid[sub] = wg * Cfg::kMBlocksPerWG + sub < tile.num_m_blocks;
+      }
+      dispatch_n<Cfg::kNStep, Cfg::kBlockN>(tile.num_rows, [&](auto n_tag) {
+        ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
+                                                  empty_bars, num_k_blocks, wg, tid, stage, phase);
+      });
+#pragma unroll
+      for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+        if (!valid[sub]) continue;
+        const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
+        if constexpr (kKind == GemmKind::kL1) {
+          epilogue_l1<Cfg>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+        } else {
+          epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,152 @@
+// sm90_gemm.cu: launchers of the Hopper grouped expert GEMMs (kernels/sm90/), with input checks,
+// the tile-config choice, the TMA descriptor of the token rows, and the persistent grid size.
+#include "moe/sm90_gemm.hpp"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <mutex>
+
+#include "megamoe/error.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/cuda_device.hpp"
+#include "sm90/sm90_grouped_gemm_bf16_mxfp4.cuh"
+
+namespace megamoe::sm90 {
+namespace {
+
+// Average routed rows per active expert above which the prefill config is used.
+// NOTES: at or below 16 rows the decode config's BLOCK_N = 16 covers an expert in one tile and its
+// 64-row weight tiles spread the weight stream over all SMs; above it, the prefill config's
+// 256 x 128 tiles reuse each weight tile for up to 128 rows.
+constexpr int64_t kDecodeMaxAvgRows = 16;
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult query{};
+    MEGAMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                        cudaEnableDefault, &query));
+    MEGAMOE_CHECK(query == cudaDriverEntryPointSuccess && ptr != nullptr, ErrorCode::kCuda,
+                  "cuTensorMapEncodeTiled: driver entry point not found");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// Row-major bf16 [rows, cols] token rows, read in boxes of box_rows x 64 with 128-byte swizzle.
+CUtensorMap make_rows_map(const uint16_t* base, int64_t rows, int64_t cols, int box_rows) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(uint16_t)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(sm90_layout::kBlockK),
+                             static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult res = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(base), dims, strides, box,
+      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MEGAMOE_CHECK(res == CUDA_SUCCESS, ErrorCode::kCuda, "cuTensorMapEncodeTiled failed (error ",
+                static_cast<int>(res), ") for rows ", rows, " cols ", cols, " box rows ", box_rows);
+  return map;
+}
+
+template <class Cfg, GemmKind kKind>
+void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
+  auto* kernel = &sm90_grouped_gemm_bf16_mxfp4_kernel<Cfg, kKind>;
+  const auto& dev = cuda::device_info();
+  const size_t smem = Cfg::smem_bytes(p.num_experts);
+  MEGAMOE_CHECK(static_cast<int64_t>(Cfg::smem_bytes(kMaxLocalExperts)) <= dev.smem_per_block_optin,
+                ErrorCode::kUnsupported, "sm90 gemm: needs ", Cfg::smem_bytes(kMaxLocalExperts),
+                " bytes of shared memory per block, device allows ", dev.smem_per_block_optin);
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(Cfg::smem_bytes(kMaxLocalExperts))));
+  });
+  const CUtensorMap map =
+      make_rows_map(b_rows, static_cast<int64_t>(p.max_rows) + kRowSlack, p.k, Cfg::kBlockN);
+  const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
+  kernel<<<grid, Cfg::kThreads, smem, stream>>>(map, p);
+  MEGAMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <GemmKind kKind>
+void launch(const GemmParams& p, int64_t rows_bound, const uint16_t* b_rows, cudaStream_t stream) {
+  const int64_t rows = rows_bound > 0 ? std::min<int64_t>(rows_bound, p.max_rows) : p.max_rows;
+  const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
+  if (rows / active <= kDecodeMaxAvgRows) {
+    launch_config<DecodeConfig, kKind>(p, b_rows, stream);
+  } else {
+    launch_config<PrefillConfig, kKind>(p, b_rows, stream);
+  }
+}
+
+void check_common(const char* who, int num_experts, int64_t hidden, int64_t intermediate,
+                  int64_t max_rows, const void* row_offsets) {
+  MEGAMOE_CHECK_ARG(num_experts >= 1, who, ": num_experts: expected >= 1, got ", num_experts);
+  MEGAMOE_CHECK(num_experts <= kMaxLocalExperts, ErrorCode::kUnsupported, who,
+                ": num_experts: expected <= ", kMaxLocalExperts, ", got ", num_experts);
+  MEGAMOE_CHECK_ARG(hidden > 0 && hidden % sm90_layout::kColAlign == 0, who,
+                    ": hidden: expected a positive multiple of 64, got ", hidden);
+  MEGAMOE_CHECK_ARG(intermediate > 0 && intermediate % sm90_layout::kColAlign == 0, who,
+                    ": intermediate: expected a positive multiple of 64, got ", intermediate);
+  MEGAMOE_CHECK_ARG(max_rows >= 0 && max_rows + kRowSlack < (int64_t{1} << 31), who,
+                    ": max_rows: expected in [0, 2^31 - ", kRowSlack, "), got ", max_rows);
+  MEGAMOE_CHECK_ARG(2 * intermediate * hidden < (int64_t{1} << 31) * 4, who,
+                    ": 2 * I * H too large for one expert, got I ", intermediate, " H ", hidden);
+  MEGAMOE_CHECK_ARG(row_offsets != nullptr, who, ": row_offsets: expected a device pointer, got null");
+}
+
+}  // namespace
+
+void launch_l1(const L1Args& a, cudaStream_t stream) {
+  check_common("launch_l1", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
+  if (a.max_rows == 0) return;  // no rows can exist
+  MEGAMOE_CHECK_ARG(a.act && a.row_weights && a.w13 && a.w13_sf && a.h_q && a.h_sf && a.h_act,
+                    "launch_l1: act, row_weights, w13, w13_sf, h_q, h_sf, h_act: expected device "
+                    "pointers, got a null one");
+  MEGAMOE_CHECK_ARG(a.activation.kind != ActivationKind::kSitu || !a.activation.has_clamp,
+                    "launch_l1: activation: situ takes no clamp");
+  GemmParams p;
+  p.num_experts = a.num_experts;
+  p.k = static_cast<int>(a.hidden);
+  p.m_rows = static_cast<int>(2 * a.intermediate);
+  p.max_rows = static_cast<int>(a.max_rows);
+  p.row_offsets = a.row_offsets;
+  p.w = a.w13;
+  p.sf = a.w13_sf;
+  p.row_weights = a.row_weights;
+  p.bias = a.w13_bias;
+  p.intermediate = static_cast<int>(a.intermediate);
+  p.activation = a.activation;
+  p.fast_math = a.fast_math;
+  p.h_q = a.h_q;
+  p.h_sf = a.h_sf;
+  p.h_act = a.h_act;
+  launch<GemmKind::kL1>(p, a.rows_bound, a.act, stream);
+}
+
+void launch_l2(const L2Args& a, cudaStream_t stream) {
+  check_common("launch_l2", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
+  if (a.max_rows == 0) return;
+  MEGAMOE_CHECK_ARG(a.h_act && a.w2 && a.w2_sf && a.out,
+                    "launch_l2: h_act, w2, w2_sf, out: expected device pointers, got a null one");
+  MEGAMOE_CHECK_ARG(a.w2_bias == nullptr || a.row_weights != nullptr,
+                    "launch_l2: row_weights: expected a device pointer when w2_bias is given");
+  GemmParams p;
+  p.num_experts = a.num_experts;
+  p.k = static_cast<int>(a.intermediate);
+  p.m_rows = static_cast<int>(a.hidden);
+  p.max_rows = static_cast<int>(a.max_rows);
+  p.row_offsets = a.row_offsets;
+  p.w = a.w2;
+  p.sf = a.w2_sf;
+  p.row_weights = a.row_weights;
+  p.bias = a.w2_bias;
+  p.intermediate = static_cast<int>(a.intermediate);
+  p.out = a.out;
+  launch<GemmKind::kL2>(p, a.rows_bound, a.h_act, stream);
+}
+
+}  // namespace megamoe::sm90
