@@ -112,16 +112,26 @@ class SafetensorsWriter {
   void add(std::string name, StDType dtype, std::vector<int64_t> shape, const void* data);
   // Same, copying the bytes into the writer.
   void add_copy(std::string name, StDType dtype, std::vector<int64_t> shape, const void* data);
+  // Declares a tensor whose bytes write() asks `source` for (streaming large outputs).
+  void add_deferred(std::string name, StDType dtype, std::vector<int64_t> shape);
   void set_metadata(std::string key, std::string value);
+  // Keep tensors in the order they were added instead of ordering by element size; the caller
+  // then answers for alignment (e.g. even-sized uint8 tensors before BF16 ones).
+  void set_preserve_order(bool preserve) { preserve_order_ = preserve; }
 
   int64_t num_tensors() const { return static_cast<int64_t>(entries_.size()); }
   int64_t file_bytes() const;  // the size write() produces
 
+  // Supplies the bytes of a deferred tensor; the pointer must stay valid until the next call.
+  // Called once per deferred tensor, in file order.
+  using TensorSource = std::function<const void*(const std::string& name)>;
+
   // Writes to `path` through a temporary file renamed at the end (kIo on failure). `progress`
-  // (optional) is called with (bytes written, total bytes).
+  // (optional) is called with (bytes written, total bytes); `source` serves deferred tensors.
   void write(const std::string& path,
-             const std::function<void(int64_t, int64_t)>& progress = {}) const;
-  std::vector<uint8_t> serialize() const;
+             const std::function<void(int64_t, int64_t)>& progress = {},
+             const TensorSource& source = {}) const;
+  std::vector<uint8_t> serialize() const;  // no deferred tensors allowed
 
  private:
   struct Entry {
@@ -131,11 +141,15 @@ class SafetensorsWriter {
     const void* data;
     int64_t bytes;
     int64_t owned_index;  // into owned_, or -1 when borrowed
+    bool deferred;        // bytes come from the TensorSource at write time
   };
+  void add_entry(std::string name, StDType dtype, std::vector<int64_t> shape, const void* data,
+                 bool deferred);
   std::string header_json(std::vector<const Entry*>* order) const;
   std::vector<Entry> entries_;
   std::vector<std::vector<uint8_t>> owned_;
   std::map<std::string, std::string> metadata_;
+  bool preserve_order_ = false;
 };
 
 // ---------------------------------------------------------------------------------------------

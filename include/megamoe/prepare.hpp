@@ -63,6 +63,7 @@
 #include <string_view>
 #include <vector>
 
+#include "megamoe/checkpoint.hpp"
 #include "megamoe/weights.hpp"
 
 namespace megamoe {
@@ -166,5 +167,49 @@ PrepareReport unprepare(MoeWeights& weights, const PrepareOptions& options = {})
 // whatever layout the weights are in now (fused_layout_for_arch).
 PrepareReport prepare_for_fused(MoeWeights& weights, int sm_version,
                                 const PrepareOptions& options = {});
+
+// ---------------------------------------------------------------------------------------------
+// Prepared checkpoints (what `megamoe prepare` writes)
+// ---------------------------------------------------------------------------------------------
+// One safetensors file with the prepared MoE layers of one EP rank:
+//   {prefix}.experts.w13, .w13_sf, .w2, .w2_sf [, .w13_bias, .w2_bias]   the layout's bytes
+//     canonical: the shapes of weights.hpp (U8 [E_l, 2I, H/2], ..., BF16 [E_l, 2I]);
+//     other layouts: U8 [E_l, bytes of one expert] (biases stay BF16 [E_l, rows])
+//   metadata: megamoe.format = kPreparedFormat, megamoe.layout, megamoe.backend, megamoe.ep_rank,
+//             megamoe.ep_size, megamoe.source, megamoe.layers (a JSON list of {prefix,
+//             layer_index, convention, num_experts, first_expert, num_local_experts, hidden,
+//             intermediate, bias})
+// Layers are loaded, prepared and written one at a time: peak memory is one layer's experts for
+// the rank plus the preparation scratch, whatever the number of layers.
+constexpr const char* kPreparedFormat = "megamoe-prepared-moe/1";
+
+struct PreparedCheckpointOptions {
+  std::string backend = "reference";
+  int ep_rank = 0;
+  int ep_size = 1;
+  std::vector<std::string> prefixes;               // layers to write (empty: every MoE layer)
+  PrepareOptions prepare;                          // scratch bound (its progress is not used)
+  std::function<void(int64_t, int64_t)> progress;  // (bytes written, total bytes)
+};
+
+struct PreparedCheckpointReport {
+  std::string layout;
+  int64_t layers = 0;
+  int64_t file_bytes = 0;
+  int64_t weight_bytes = 0;         // prepared expert bytes written
+  int64_t max_layer_bytes = 0;      // the largest layer held at once
+  int64_t peak_prepare_extra = 0;   // largest PrepareReport::peak_extra_bytes over layers
+  int64_t peak_host_bytes = 0;      // peak of Buffer memory during the run, above the start
+  double seconds = 0;
+};
+
+PreparedCheckpointReport write_prepared_checkpoint(const Checkpoint& checkpoint,
+                                                   const std::string& out_path,
+                                                   const PreparedCheckpointOptions& options);
+// Prefixes of the layers in a prepared file (kFormat when it is not one).
+std::vector<std::string> prepared_layer_prefixes(const SafetensorsFile& file);
+// One layer of a prepared file, in the file's layout (weights.layout says which); every size is
+// checked against the layout (kFormat naming file and tensor).
+MoeWeights load_prepared_layer(const SafetensorsFile& file, std::string_view prefix);
 
 }  // namespace megamoe

@@ -463,8 +463,17 @@ constexpr int64_t kDataAlignment = 8;
 constexpr int64_t kWriteChunkBytes = 64LL << 20;  // progress granularity
 }  // namespace
 
+void SafetensorsWriter::add_deferred(std::string name, StDType dtype, std::vector<int64_t> shape) {
+  add_entry(std::move(name), dtype, std::move(shape), nullptr, true);
+}
+
 void SafetensorsWriter::add(std::string name, StDType dtype, std::vector<int64_t> shape,
                             const void* data) {
+  add_entry(std::move(name), dtype, std::move(shape), data, false);
+}
+
+void SafetensorsWriter::add_entry(std::string name, StDType dtype, std::vector<int64_t> shape,
+                                  const void* data, bool deferred) {
   using detail::quote_name;
   MEGAMOE_CHECK_ARG(!name.empty(), "SafetensorsWriter::add: empty tensor name");
   MEGAMOE_CHECK_ARG(name != kSafetensorsMetadataKey, "SafetensorsWriter::add: the name '",
@@ -492,9 +501,9 @@ void SafetensorsWriter::add(std::string name, StDType dtype, std::vector<int64_t
                     st_dtype_name(dtype), detail::shape_string(shape),
                     " is not a whole number of bytes");
   const int64_t bytes = numel * bits / kBitsPerByte;
-  MEGAMOE_CHECK_ARG(data != nullptr || bytes == 0, "SafetensorsWriter::add: tensor ",
+  MEGAMOE_CHECK_ARG(deferred || data != nullptr || bytes == 0, "SafetensorsWriter::add: tensor ",
                     quote_name(name), ": null data for ", bytes, " bytes");
-  entries_.push_back({std::move(name), dtype, std::move(shape), data, bytes, -1});
+  entries_.push_back({std::move(name), dtype, std::move(shape), data, bytes, -1, deferred});
 }
 
 void SafetensorsWriter::add_copy(std::string name, StDType dtype, std::vector<int64_t> shape,
@@ -517,9 +526,11 @@ void SafetensorsWriter::set_metadata(std::string key, std::string value) {
 std::string SafetensorsWriter::header_json(std::vector<const Entry*>* order) const {
   order->clear();
   for (const Entry& e : entries_) order->push_back(&e);
-  std::stable_sort(order->begin(), order->end(), [](const Entry* a, const Entry* b) {
-    return st_dtype_bits(a->dtype) > st_dtype_bits(b->dtype);
-  });
+  if (!preserve_order_) {
+    std::stable_sort(order->begin(), order->end(), [](const Entry* a, const Entry* b) {
+      return st_dtype_bits(a->dtype) > st_dtype_bits(b->dtype);
+    });
+  }
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata_.empty()) {
     nlohmann::ordered_json meta = nlohmann::ordered_json::object();
@@ -563,18 +574,25 @@ std::vector<uint8_t> SafetensorsWriter::serialize() const {
   put_u64_le(out.data(), header.size());
   out.insert(out.end(), header.begin(), header.end());
   for (const Entry* e : order) {
+    MEGAMOE_CHECK_ARG(!e->deferred, "SafetensorsWriter::serialize: tensor ",
+                      detail::quote_name(e->name), " is deferred (use write with a source)");
     const auto* p = static_cast<const uint8_t*>(e->data);
-    out.insert(out.end(), p, p + e->bytes);
+    if (e->bytes > 0) out.insert(out.end(), p, p + e->bytes);
   }
   return out;
 }
 
 void SafetensorsWriter::write(const std::string& path,
-                              const std::function<void(int64_t, int64_t)>& progress) const {
+                              const std::function<void(int64_t, int64_t)>& progress,
+                              const TensorSource& source) const {
   std::vector<const Entry*> order;
   const std::string header = header_json(&order);
   int64_t total = kSafetensorsHeaderLengthBytes + static_cast<int64_t>(header.size());
-  for (const Entry* e : order) total += e->bytes;
+  for (const Entry* e : order) {
+    total += e->bytes;
+    MEGAMOE_CHECK_ARG(!e->deferred || source, "SafetensorsWriter::write: tensor ",
+                      detail::quote_name(e->name), " is deferred but no source was given");
+  }
 
   const std::string tmp = detail::concat(path, ".tmp.", ::getpid());
   FILE* file = std::fopen(tmp.c_str(), "wb");
@@ -596,7 +614,23 @@ void SafetensorsWriter::write(const std::string& path,
   put(len, sizeof len);
   put(header.data(), static_cast<int64_t>(header.size()));
   for (const Entry* e : order) {
-    const auto* p = static_cast<const uint8_t*>(e->data);
+    const void* data = e->data;
+    if (e->deferred) {
+      try {
+        data = source(e->name);
+      } catch (...) {
+        std::fclose(file);
+        std::remove(tmp.c_str());
+        throw;
+      }
+      if (data == nullptr && e->bytes > 0) {
+        std::fclose(file);
+        std::remove(tmp.c_str());
+        fail(ErrorCode::kInternal, path, ": the source gave no bytes for tensor ",
+             detail::quote_name(e->name));
+      }
+    }
+    const auto* p = static_cast<const uint8_t*>(data);
     for (int64_t off = 0; off < e->bytes; off += kWriteChunkBytes) {
       put(p + off, std::min(kWriteChunkBytes, e->bytes - off));
     }
