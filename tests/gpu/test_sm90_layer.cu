@@ -28,6 +28,8 @@
 #include <vector>
 
 #include "megamoe/config.hpp"
+#include "megamoe/layer.hpp"
+#include "megamoe/tensor.hpp"
 #include "megamoe/parallel.hpp"
 #include "megamoe/quantize.hpp"
 #include "megamoe/reference.hpp"
@@ -512,6 +514,54 @@ TEST(Sm90Layer, InvalidExpertIdsAreReportedAndTreatedAsEmpty) {
 
   // T above capacity: a host-side error before anything is launched.
   EXPECT_THROW(layer->forward(dx.get(), didx.get(), dw.get(), kCapacity + 1, dy.get(), nullptr), Error);
+}
+
+}  // namespace
+}  // namespace megamoe::sm90
+
+namespace megamoe::sm90 {
+namespace {
+
+// The public API: MoeLayer with backend "sm90" (TensorView checks, then Sm90Backend) gives the
+// same bits as Sm90Layer, and "auto" picks sm90 on an H200.
+TEST(Sm90Layer, MoeLayerSm90BackendMatchesSm90Layer) {
+  MEGAMOE_REQUIRE_SM90();
+  LayerConfig config;
+  config.shape = shape_preset("small");
+  config.max_tokens_per_rank = 128;
+  config.activation = activation_preset("small");
+  const int64_t t = 100;
+  const LayerShape& s = config.shape;
+  const auto x = test::make_inputs(t, s.hidden, 77);
+  const auto routing = test::make_routing(Routing::kSkewed, t, s.num_experts, s.top_k, 77, 0.1);
+  DeviceArray<uint16_t> dx(x), y_api(t * s.hidden), y_direct(t * s.hidden);
+  DeviceArray<int32_t> didx(routing.idx);
+  DeviceArray<float> dw(routing.weights);
+
+  ASSERT_FALSE(available_backends().empty());
+  EXPECT_EQ(available_backends().front(), "sm90");
+  MoeLayer layer(config, synthetic_weights(config, kWeightSeed), "auto");
+  EXPECT_EQ(layer.backend(), "sm90");
+  EXPECT_EQ(layer.device(), Device::cuda(cuda::current_device()));
+  const Device dev = layer.device();
+  layer.forward(TensorView::contiguous(dx.get(), DType::kBF16, {t, s.hidden}, dev),
+                TensorView::contiguous(didx.get(), DType::kI32, {t, s.top_k}, dev),
+                TensorView::contiguous(dw.get(), DType::kF32, {t, s.top_k}, dev),
+                TensorView::contiguous(y_api.get(), DType::kBF16, {t, s.hidden}, dev));
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+
+  Sm90Layer direct(config, synthetic_weights(config, kWeightSeed));
+  direct.forward(dx.get(), didx.get(), dw.get(), t, y_direct.get(), nullptr);
+  direct.check_errors(nullptr);
+  EXPECT_EQ(y_api.download(), y_direct.download());
+
+  // Host tensors are rejected by the sm90 backend with a message naming the argument.
+  std::vector<uint16_t> host_y(static_cast<size_t>(t * s.hidden));
+  EXPECT_THROW(layer.forward(TensorView::contiguous(const_cast<uint16_t*>(x.data()), DType::kBF16, {t, s.hidden}),
+                             TensorView::contiguous(didx.get(), DType::kI32, {t, s.top_k}, dev),
+                             TensorView::contiguous(dw.get(), DType::kF32, {t, s.top_k}, dev),
+                             TensorView::contiguous(host_y.data(), DType::kBF16, {t, s.hidden})),
+               Error);
 }
 
 }  // namespace
