@@ -43,9 +43,21 @@ def is_ml_bfloat16(a):
     return is_numpy(a) and a.dtype.name == "bfloat16"
 
 
-def host_input(a):
+def check_array(a, arg):
+    """Raises megamoe.DTypeError (a TypeError) naming `arg` unless `a` is an array: something
+    with a shape that speaks DLPack or the buffer protocol (numpy, torch, ...)."""
+    if hasattr(a, "shape") and (hasattr(a, "__dlpack__") or hasattr(a, "__array_interface__")):
+        return
+    from ._megamoe import DTypeError
+
+    raise DTypeError(f"{arg}: expected an array (numpy.ndarray, torch.Tensor or another DLPack "
+                     f"array), got {type(a).__name__}")
+
+
+def host_input(a, arg="array"):
     """An array for a host (CPU) function: torch tensors are detached; ml_dtypes BF16 is viewed
     as uint16 bits. No copy."""
+    check_array(a, arg)
     if is_torch(a):
         return a.detach() if a.requires_grad else a
     if is_ml_bfloat16(a):
@@ -55,10 +67,10 @@ def host_input(a):
     return a
 
 
-def stream_input(a):
+def stream_input(a, arg="array"):
     """An array for a stream-ordered (device) call: like host_input, and a torch CUDA tensor
     becomes a DLPack capsule exported without stream synchronisation (capture safe)."""
-    a = host_input(a)
+    a = host_input(a, arg)
     if is_torch(a) and a.is_cuda:
         return a.__dlpack__(stream=_DLPACK_NO_SYNC)
     return a

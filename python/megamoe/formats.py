@@ -48,7 +48,7 @@ def quantize_input(x, q=None, sf=None):
     x: bf16 [..., H], H a multiple of 32. Returns (q, sf): q uint8 [..., H] E4M3 codes and
     sf uint8 [..., H/32] UE8M0 scales, with amax floored at 1e-4 and b clamped to [1, 254].
     """
-    x = _arrays.host_input(x)
+    x = _arrays.host_input(x, "x")
     h = _last(x)
     q = _arrays.output(q, x, _rowwise(x, h), "uint8")
     sf = _arrays.output(sf, x, _rowwise(x, h // SCALE_BLOCK), "uint8")
@@ -61,7 +61,7 @@ def requantize(v, q=None, sf=None):
 
     v: float32 [..., I], I a multiple of 32. Returns (q uint8 [..., I], sf uint8 [..., I/32]).
     """
-    v = _arrays.host_input(v)
+    v = _arrays.host_input(v, "v")
     i = _last(v)
     q = _arrays.output(q, v, _rowwise(v, i), "uint8")
     sf = _arrays.output(sf, v, _rowwise(v, i // SCALE_BLOCK), "uint8")
@@ -76,7 +76,7 @@ def quantize_mxfp4(w, packed=None, sf=None):
     InvalidArgumentError naming row and column). Returns (packed uint8 [..., K/2],
     sf uint8 [..., K/32]).
     """
-    w = _arrays.host_input(w)
+    w = _arrays.host_input(w, "w")
     k = _last(w)
     packed = _arrays.output(packed, w, _rowwise(w, k // 2), "uint8")
     sf = _arrays.output(sf, w, _rowwise(w, k // SCALE_BLOCK), "uint8")
@@ -87,15 +87,16 @@ def quantize_mxfp4(w, packed=None, sf=None):
 def dequantize_fp8(q, sf, out=None):
     """E4M3 codes q uint8 [..., K] with UE8M0 scales sf uint8 [..., K/32] -> float32 [..., K]
     (exact: code value times 2^(sf - 127))."""
-    q, sf = _arrays.host_input(q), _arrays.host_input(sf)
+    q, sf = _arrays.host_input(q, "q"), _arrays.host_input(sf, "sf")
     out = _arrays.output(out, q, _rowwise(q, _last(q)), "float32")
     _C.dequantize_fp8(q, sf, out)
     return out
 
 
 def dequantize_mxfp4(packed, sf, out=None):
-    """Packed E2M1 pairs uint8 [..., K/2] with UE8M0 scales uint8 [..., K/32] -> float32 [..., K]."""
-    packed, sf = _arrays.host_input(packed), _arrays.host_input(sf)
+    """Packed E2M1 pairs uint8 [..., K/2] with UE8M0 scales uint8 [..., K/32] -> float32 [..., K]
+    (exact)."""
+    packed, sf = _arrays.host_input(packed, "packed"), _arrays.host_input(sf, "sf")
     out = _arrays.output(out, packed, _rowwise(packed, 2 * _last(packed)), "float32")
     _C.dequantize_mxfp4(packed, sf, out)
     return out
@@ -105,7 +106,7 @@ def dequantize_mxfp4(packed, sf, out=None):
 # Elementwise codecs (same shape in and out)
 # ------------------------------------------------------------------------------------------------
 def _map(fn, src, dtype, out, bf16_like=None):
-    src = _arrays.host_input(src)
+    src = _arrays.host_input(src, "src")
     out = _arrays.output(out, src, _arrays.shape_of(src), dtype, bf16_like)
     fn(src, out)
     return out
@@ -136,7 +137,7 @@ def e2m1_to_f32(codes, out=None):
 
 def e2m1_pack(codes, out=None):
     """uint8 [..., 2n] E2M1 codes -> uint8 [..., n] bytes (even k low nibble, odd k high)."""
-    codes = _arrays.host_input(codes)
+    codes = _arrays.host_input(codes, "codes")
     out = _arrays.output(out, codes, _rowwise(codes, _last(codes) // 2), "uint8")
     _C.e2m1_pack(codes, out)
     return out
@@ -144,7 +145,7 @@ def e2m1_pack(codes, out=None):
 
 def e2m1_unpack(packed, out=None):
     """uint8 [..., n] packed bytes -> uint8 [..., 2n] E2M1 codes."""
-    packed = _arrays.host_input(packed)
+    packed = _arrays.host_input(packed, "packed")
     out = _arrays.output(out, packed, _rowwise(packed, 2 * _last(packed)), "uint8")
     _C.e2m1_unpack(packed, out)
     return out

@@ -85,10 +85,13 @@ class MoELayer:
         (ValueError); an expert id outside [-1, E) OutOfRangeError (ValueError) on the CPU
         backend.
         """
+        _arrays.check_array(x, "x")
         y = _arrays.output(out, x, _arrays.shape_of(x), "bfloat16", bf16_like=x)
         handle = _arrays.cuda_stream(stream, x, y)
-        self._layer.forward(_arrays.stream_input(x), _arrays.stream_input(topk_idx),
-                            _arrays.stream_input(topk_weights), _arrays.stream_input(y), handle)
+        self._layer.forward(_arrays.stream_input(x, "x"),
+                            _arrays.stream_input(topk_idx, "topk_idx"),
+                            _arrays.stream_input(topk_weights, "topk_weights"),
+                            _arrays.stream_input(y, "out"), handle)
         return y
 
     __call__ = forward
@@ -142,8 +145,9 @@ def _weights_from_arrays(w13, w13_sf, w2, w2_sf, first_expert=0, w13_bias=None, 
     """
     h = _arrays.host_input
     return _C.MoeWeights._from_arrays(
-        h(w13), h(w13_sf), h(w2), h(w2_sf), first_expert,
-        None if w13_bias is None else h(w13_bias), None if w2_bias is None else h(w2_bias))
+        h(w13, "w13"), h(w13_sf, "w13_sf"), h(w2, "w2"), h(w2_sf, "w2_sf"), first_expert,
+        None if w13_bias is None else h(w13_bias, "w13_bias"),
+        None if w2_bias is None else h(w2_bias, "w2_bias"))
 
 
 # NOTES: MoeWeights is the C++ class; these two helpers need numpy/torch for allocation, which the
@@ -168,53 +172,53 @@ def reference_forward(config, weights, x, topk_idx, topk_weights, out=None, trac
         x_q uint8 [T, H], x_sf uint8 [T, H/32], l1_acc float32 [T*K, 2I],
         h_q uint8 [T*K, I], h_sf uint8 [T*K, I/32], o bf16-bits uint16 [T*K, H]
     """
-    x = _arrays.host_input(x)
+    x = _arrays.host_input(x, "x")
     y = _arrays.output(out, x, _arrays.shape_of(x), "bfloat16", bf16_like=x)
-    tr = _C.reference_forward(config, weights, x, _arrays.host_input(topk_idx),
-                              _arrays.host_input(topk_weights), y, trace)
+    tr = _C.reference_forward(config, weights, x, _arrays.host_input(topk_idx, "topk_idx"),
+                              _arrays.host_input(topk_weights, "topk_weights"), y, trace)
     return (y, tr) if trace else y
 
 
 def reference_forward_quantized(config, weights, x_q, x_sf, topk_idx, topk_weights, out=None):
     """The reference from already quantized inputs: x_q uint8 [T, H] E4M3, x_sf uint8 [T, H/32].
     Returns y bf16 [T, H] (uint16 bits for numpy inputs)."""
-    x_q = _arrays.host_input(x_q)
+    x_q = _arrays.host_input(x_q, "x_q")
     y = _arrays.output(out, x_q, (_tokens(x_q), config.shape.hidden), "bfloat16")
-    _C.reference_forward_quantized(config, weights, x_q, _arrays.host_input(x_sf),
-                                   _arrays.host_input(topk_idx), _arrays.host_input(topk_weights),
-                                   y)
+    h = _arrays.host_input
+    _C.reference_forward_quantized(config, weights, x_q, h(x_sf, "x_sf"), h(topk_idx, "topk_idx"),
+                                   h(topk_weights, "topk_weights"), y)
     return y
 
 
 def reference_l2_combine(config, weights, h_q, h_sf, topk_idx, out=None):
     """L2 and combine from given intermediates h_q uint8 [T*K, I], h_sf uint8 [T*K, I/32]
     (e.g. a backend's own), for exact-mode checks. Returns y bf16 [T, H]."""
-    topk_idx = _arrays.host_input(topk_idx)
+    topk_idx = _arrays.host_input(topk_idx, "topk_idx")
     y = _arrays.output(out, topk_idx, (_tokens(topk_idx), config.shape.hidden), "bfloat16")
-    _C.reference_l2_combine(config, weights, _arrays.host_input(h_q), _arrays.host_input(h_sf),
-                            topk_idx, y)
+    h = _arrays.host_input
+    _C.reference_l2_combine(config, weights, h(h_q, "h_q"), h(h_sf, "h_sf"), topk_idx, y)
     return y
 
 
 def ideal_forward(config, weights, x, topk_idx, topk_weights, out=None):
     """The unquantized FP64 MoE (BF16 x, dequantized weights, no intermediate quantization,
     exact activation). Returns float64 [T, H]."""
-    x = _arrays.host_input(x)
+    x = _arrays.host_input(x, "x")
     y = _arrays.output(out, x, (_tokens(x), config.shape.hidden), "float64")
-    _C.ideal_forward(config, weights, x, _arrays.host_input(topk_idx),
-                     _arrays.host_input(topk_weights), y)
+    _C.ideal_forward(config, weights, x, _arrays.host_input(topk_idx, "topk_idx"),
+                     _arrays.host_input(topk_weights, "topk_weights"), y)
     return y
 
 
 def diff_metric(a, b):
     """1 - 2<a,b> / (<a,a> + <b,b>) in FP64 over float64 arrays of one shape (0 when both are
     zero): numerics.md section 8."""
-    return _C.diff_metric(_arrays.host_input(a), _arrays.host_input(b))
+    return _C.diff_metric(_arrays.host_input(a, "a"), _arrays.host_input(b, "b"))
 
 
 def compare_output(config, y, ref, topk_idx):
     """Compares y bf16 [T, H] with ref float64 [T, H] row by row and expert by expert.
     Returns a dict: diff, worst_row_diff, worst_row, worst_expert_diff, worst_expert,
     max_abs_err."""
-    return _C.compare_output(config, _arrays.host_input(y), _arrays.host_input(ref),
-                             _arrays.host_input(topk_idx))
+    return _C.compare_output(config, _arrays.host_input(y, "y"), _arrays.host_input(ref, "ref"),
+                             _arrays.host_input(topk_idx, "topk_idx"))

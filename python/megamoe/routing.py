@@ -20,11 +20,13 @@ def route_sigmoid_topk(logits, top_k, correction_bias=None, routed_scaling_facto
         w = s[idx] / sum(s[idx]) * routed_scaling_factor.
     Non-finite logits or bias raise InvalidArgumentError naming token and expert.
     """
-    logits = _arrays.host_input(logits)
+    logits = _arrays.host_input(logits, "logits")
     t = int(logits.shape[0]) if len(logits.shape) else 0
     idx = _arrays.output(topk_idx, logits, (t, int(top_k)), "int32")
     w = _arrays.output(topk_weights, logits, (t, int(top_k)), "float32")
-    bias = None if correction_bias is None else _arrays.host_input(correction_bias)
+    bias = None
+    if correction_bias is not None:
+        bias = _arrays.host_input(correction_bias, "correction_bias")
     _C.route_sigmoid_topk(logits, bias, float(routed_scaling_factor), idx, w)
     return idx, w
 

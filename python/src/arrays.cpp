@@ -63,6 +63,15 @@ TensorView make_view(const char* arg, const Array& array) {
     view.shape[d] = static_cast<int64_t>(array.shape(d));
     view.strides[d] = array.stride(d);
   }
+  // NOTES: an array without elements has no meaningful strides (numpy exports zeros for them);
+  // it is given row-major ones so that it passes every contiguity check.
+  if (view.numel() == 0) {
+    int64_t stride = 1;
+    for (int d = ndim - 1; d >= 0; --d) {
+      view.strides[d] = stride;
+      stride *= view.shape[d];
+    }
+  }
   view.device = to_megamoe_device(arg, array.device_type(), array.device_id());
   view.data = const_cast<void*>(static_cast<const void*>(array.data()));
   return view;
