@@ -1,0 +1,119 @@
+// The `megamoe` program as a user runs it: the built binary, its output and exit codes.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+const std::string kBinary = std::string(MEGAMOE_BINARY_DIR) + "/megamoe";
+
+struct Result {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+Result run_cli(const std::string& args) {
+  Result r;
+  const std::string cmd = kBinary + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(std::filesystem::exists(kBinary))
+        << kBinary << " is missing: build the megamoe_cli target (ninja builds it by default)";
+  }
+};
+
+TEST_F(Cli, DefaultRunPrintsWhatItRanAndPasses) {
+  const Result r = run_cli("run");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* fragment :
+       {"shape       small: H=1024 I=512 E=32 K=4", "activation  swiglu", "tokens      64, routing uniform, seed 0",
+        "fast_math on", "ms median", "vs the FP64 ideal MoE", "worst row", "worst expert", "result      PASS"})
+    EXPECT_NE(r.output.find(fragment), std::string::npos) << "missing '" << fragment << "' in:\n" << r.output;
+  EXPECT_TRUE(r.output.find("backend     cpu") != std::string::npos ||
+              r.output.find("backend     sm90") != std::string::npos)
+      << r.output;
+}
+
+TEST_F(Cli, JsonRunWithOptions) {
+  const Result r = run_cli(
+      "run --json --tokens 24 --activation situ:beta=3,linear_beta=20 --exact --routing skewed "
+      "--ep-size 2 --ep-rank 1 --seed 5 --backend cpu --iters 1 --warmup 0 --threads 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["shape"]["name"], "small");
+  EXPECT_EQ(j["tokens"], 24);
+  EXPECT_EQ(j["activation"], "situ:beta=3,linear_beta=20");
+  EXPECT_EQ(j["fast_math"], false);
+  EXPECT_EQ(j["routing"], "skewed");
+  EXPECT_EQ(j["backend"], "cpu");
+  EXPECT_EQ(j["ep"]["first_local_expert"], 16);
+  EXPECT_EQ(j["threads"], 1);
+  EXPECT_EQ(j["check"]["pass"], true);
+  EXPECT_LT(j["check"]["diff"].get<double>(), 1e-2);
+  EXPECT_GT(j["check"]["diff"].get<double>(), 0.0);
+  EXPECT_GE(j["check"]["worst_expert"].get<int>(), 16) << "only local experts are reported";
+  EXPECT_GT(j["time_ms"]["median"].get<double>(), 0.0);
+}
+
+TEST_F(Cli, ShapeOverridesAndZeroTokens) {
+  Result r = run_cli("run --shape gpt-oss-120b --hidden 320 --intermediate 320 --experts 16 --tokens 8 --iters 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("H=320 I=320 E=16 K=4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("swiglu_oai:alpha=1.702,clamp=7 (with expert biases)"), std::string::npos) << r.output;
+  r = run_cli("run --tokens 0 --json --iters 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output)["check"]["diff"], 0.0);
+}
+
+TEST_F(Cli, BadInputIsReportedNotCrashed) {
+  Result r = run_cli("run --activation situ:clamp=7");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("situ takes no clamp"), std::string::npos) << r.output;
+  r = run_cli("run --shape huge");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("unknown preset 'huge'"), std::string::npos) << r.output;
+  r = run_cli("run --ep-size 3");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("ep_size 3 must divide num_experts 32"), std::string::npos) << r.output;
+  r = run_cli("run --backend tpu");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("unknown backend 'tpu'"), std::string::npos) << r.output;
+  r = run_cli("run --tokens abc");
+  EXPECT_NE(r.exit_code, 0);
+  r = run_cli("run --max-diff 1e-9 --tokens 8 --iters 1");
+  EXPECT_EQ(r.exit_code, 3) << "a failed accuracy check exits 3:\n" << r.output;
+  EXPECT_NE(r.output.find("FAIL"), std::string::npos) << r.output;
+  r = run_cli("");
+  EXPECT_NE(r.exit_code, 0) << "a subcommand is required";
+}
+
+TEST_F(Cli, HelpDocumentsEveryOption) {
+  Result r = run_cli("--help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.output.find("run"), std::string::npos) << r.output;
+  r = run_cli("run --help");
+  EXPECT_EQ(r.exit_code, 0);
+  for (const char* opt : {"--shape", "--tokens", "--activation", "--backend", "--exact", "--seed",
+                          "--ep-size", "--ep-rank", "--routing", "--bias", "--capacity", "--warmup",
+                          "--iters", "--threads", "--no-check", "--max-diff", "--json", "--hidden",
+                          "--intermediate", "--experts", "--top-k"})
+    EXPECT_NE(r.output.find(opt), std::string::npos) << opt << " undocumented:\n" << r.output;
+}
+
+}  // namespace
