@@ -16,6 +16,7 @@
 
 #include "bindings.hpp"
 #include "megamoe/layer.hpp"
+#include "megamoe/prepare.hpp"
 
 namespace megamoe::python {
 
@@ -33,7 +34,8 @@ constexpr bool kBuiltWithCuda = false;
 void init_layer(MoeLayer* self, const LayerConfig& config, WeightsHolder& weights,
                 const std::string& backend) {
   config.validate();
-  weights.get("weights").check_matches(config);
+  const MoeWeights& w = weights.get("weights");
+  w.check_matches(config);
   if (backend != kAutoBackend) {
     const std::vector<std::string> names = available_backends();
     if (std::find(names.begin(), names.end(), backend) == names.end()) {
@@ -47,7 +49,13 @@ void init_layer(MoeLayer* self, const LayerConfig& config, WeightsHolder& weight
            ")");
     }
   }
-  new (self) MoeLayer(config, weights.take("weights"), backend);
+  // A backend reads canonical weights (and prepares them) or weights already in its own layout.
+  const std::string chosen = backend == kAutoBackend ? available_backends().front() : backend;
+  const std::string own_layout = has_layout(chosen) ? chosen : std::string(kCanonicalLayout);
+  MEGAMOE_CHECK_ARG(w.layout == kCanonicalLayout || w.layout == own_layout, "weights: layout '",
+                    w.layout, "' cannot serve backend '", chosen, "' (it reads '",
+                    kCanonicalLayout, "' or '", own_layout, "'); unprepare() them first");
+  new (self) MoeLayer(config, weights.take("weights"), chosen);
 }
 
 void forward(MoeLayer& layer, const InArray& x, const InArray& topk_idx,
