@@ -21,6 +21,7 @@ import json
 import os
 import shlex
 import shutil
+import tarfile
 import subprocess
 import sys
 import time
@@ -42,6 +43,8 @@ CARRIED_JIT_CACHE = os.path.join(REPO, '.whl', 'dg_jit_cache')   # DeepGEMM cubi
 JIT_CACHE = '/tmp/megamoe_peers_dg_jit_cache'
 CARRIED_TRITON_CACHE = os.path.join(REPO, '.whl', 'triton_cache')
 TRITON_CACHE = '/tmp/megamoe_peers_triton_cache'
+PACKED_PEERS = ('deep_gemm_vllm.tar.xz',)   # unpacked to UNPACK_ROOT/<name>/ and put on PYTHONPATH
+UNPACK_ROOT = '/tmp/megamoe_peers_pylib'
 
 # Aliases accepted in `megamoe bench --json` lines (the harness is built in parallel; see README).
 KEY_ALIASES = {
@@ -144,10 +147,32 @@ def run_megamoe(args, shapes, tokens, log) -> list[dict]:
     return missing
 
 
+def unpack_packed_peers() -> list:
+    """Packed pure-Python-plus-extension peers (.whl/*.tar.xz, fetch_wheels.sh) unpacked under /tmp."""
+    paths = []
+    for name in PACKED_PEERS:
+        tarball = os.path.join(REPO, '.whl', name)
+        if not os.path.isfile(tarball):
+            continue
+        dest = os.path.join(UNPACK_ROOT, name.split('.')[0])
+        if not os.path.isdir(dest):
+            os.makedirs(dest + '.partial', exist_ok=True)
+            with tarfile.open(tarball) as tf:
+                tf.extractall(dest + '.partial')
+            os.rename(dest + '.partial', dest)
+        paths.append(dest)
+    return paths
+
+
+def python_paths() -> list:
+    return unpack_packed_peers() + ([PYLIB] if os.path.isdir(PYLIB) else [])
+
+
 def peer_env() -> dict:
     env = dict(os.environ)
-    if os.path.isdir(PYLIB):
-        env['PYTHONPATH'] = PYLIB + os.pathsep + env.get('PYTHONPATH', '')
+    paths = python_paths()
+    if paths:
+        env['PYTHONPATH'] = os.pathsep.join(paths + [env.get('PYTHONPATH', '')])
     env.setdefault('PYTHONUNBUFFERED', '1')
     env.setdefault('NCCL_NVLS_ENABLE', '0')
     env.setdefault('TORCH_SYMM_MEM_DISABLE_MULTICAST', '1')
@@ -394,8 +419,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
 
-    if os.path.isdir(PYLIB):
-        sys.path.insert(0, PYLIB)
+    for path in reversed(python_paths()):
+        sys.path.insert(0, path)
     env = environment()
     print(json.dumps(env), flush=True)
     records = [env]

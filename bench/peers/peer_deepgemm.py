@@ -1,4 +1,6 @@
-"""Peers from the `sgl-deep-gemm` wheel (DeepGEMM, JIT-compiled with nvcc on first use).
+"""DeepGEMM peers (JIT-compiled with nvcc on first use). The package used is the DeepGEMM that vLLM
+vendors (fetch_wheels.sh: its extension loads with the GPU image's torch 2.11); the SM90 Mega MoE
+adapter also works with an `sgl-deep-gemm` build when one loads there.
 
 deepgemm-fp8: the FP8 x FP8 grouped-GEMM chain a serving stack builds from DeepGEMM on Hopper:
   weights: MXFP4 dequantized (exactly) and requantized to E4M3 with FP32 scales per 128 x 128
@@ -233,8 +235,10 @@ class DeepGemmMegaMoe:
         if shape.activation != 'swiglu':
             return f'the SM90 Mega MoE implements swiglu only (this shape uses {shape.activation})'
         import deep_gemm
-        if not hasattr(deep_gemm, 'fp8_mega_moe'):
-            return 'this sgl-deep-gemm wheel has no SM90 fp8_mega_moe'
+        if not (hasattr(deep_gemm, 'fp8_mega_moe') and hasattr(deep_gemm, 'mega_moe_pre_dispatch_sm90')):
+            return (f'the deep_gemm found ({getattr(deep_gemm, "__file__", "?")}) has no SM90 fp8_mega_moe: '
+                    'vLLM\'s vendored DeepGEMM has only the SM100 Mega MoE, and the sgl-deep-gemm wheels '
+                    '(0.1.7..0.2.5), which have the SM90 one, do not load with torch 2.11 (built for a newer torch)')
         return None
 
     def weight_bytes(self) -> int:
