@@ -64,6 +64,7 @@ double bf16_ulp(double v) {
 struct ShapeData {
   LayerConfig base;
   MoeWeights host;                      // canonical, for the reference
+  MoeWeights prepared;                  // the same, on the GPU in the sm90 layout (layers borrow it)
   std::vector<double> w2_row_norm;      // [E_l, H]
 };
 
@@ -98,6 +99,7 @@ const ShapeData& shape_data(const std::string& name, int ep_size, int ep_rank, b
   d->base.max_tokens_per_rank = kCapacity;
   d->base.activation = activation_preset(name);
   d->host = synthetic_weights(d->base, kWeightSeed, bias);
+  d->prepared = Sm90Layer::prepare_device_weights(d->base, clone_host(d->host));
   const int64_t el = d->host.num_local_experts, h = d->host.hidden, inter = d->host.intermediate;
   d->w2_row_norm.assign(static_cast<size_t>(el * h), 0.0);
   const uint8_t* w2 = d->host.w2.as<uint8_t>();
@@ -163,7 +165,7 @@ std::unique_ptr<Sm90Layer> make_layer(const LayerCase& c, LayerConfig* config_ou
   if (!c.activation.empty()) config.activation = Activation::parse(c.activation);
   config.fast_math = c.fast_math;
   *config_out = config;
-  return std::make_unique<Sm90Layer>(config, clone_host(sd.host));
+  return std::make_unique<Sm90Layer>(config, &sd.prepared);
 }
 
 void run_case(const LayerCase& c, uint64_t seed) {
