@@ -1,0 +1,496 @@
+// GPU tests of the Hopper grouped GEMMs (src/moe/sm90_gemm.hpp) against a CPU reference fed the
+// same inputs, plus the GEMM-only micro-benchmark (DISABLED_ by default; run with
+// --gtest_also_run_disabled_tests --gtest_filter='Sm90GemmBench.*').
+//
+// Checks (numerics.md section 8):
+//  - L2 (FP32 accumulators exposed through a single BF16 rounding): for every output,
+//    |gpu - ref| <= c * sqrt(K) * eps32 * sum|terms| + 1 BF16 ulp(ref), ref in FP64; prints the
+//    largest used fraction of that bound.
+//  - L1: h_q / h_sf against the CPU epilogue (same shared activation/quantize functions) on the
+//    FP64 accumulators rounded to FP32; a flipped FP8 code must be a neighbour (one code step)
+//    and flips must be rare (<= 0.5% of codes); scale bytes may differ only by one and rarely;
+//    h_act must equal h_q x 2^(h_sf - 127) exactly. Rows past a tile end are never written
+//    (poisoned outputs outside routed rows stay poisoned).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "megamoe/activation.hpp"
+#include "megamoe/buffer.hpp"
+#include "megamoe/formats.hpp"
+#include "megamoe/quantize.hpp"
+#include "moe/sm90_gemm.hpp"
+#include "prep/sm90_layout.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/cuda_device.hpp"
+
+namespace megamoe {
+namespace {
+
+#define SKIP_WITHOUT_SM90()                                                               \
+  do {                                                                                    \
+    if (!sm90_available()) GTEST_SKIP() << "no sm_90 GPU present: Hopper GEMM tests skipped"; \
+  } while (0)
+
+constexpr uint8_t kPoisonByte = 0xA5;
+
+struct Problem {
+  int64_t H = 0, I = 0;
+  int E = 0;
+  std::vector<int> counts;      // rows per local expert
+  std::vector<int32_t> offsets;
+  int64_t rows = 0;
+  // canonical weights
+  std::vector<uint8_t> w13, w13_sf, w2, w2_sf;
+  std::vector<uint16_t> w13_bias, w2_bias;
+  std::vector<uint16_t> act;    // [rows + slack, H] bf16 (E4M3 x 2^s exact)
+  std::vector<uint16_t> h_in;   // [rows + slack, I] bf16 (E4M3 x 2^s exact), L2 input
+  std::vector<float> row_weights;
+};
+
+// BF16 rows that carry E4M3 x 2^s exactly: random values quantized per 32 and dequantized.
+std::vector<uint16_t> quantized_rows(int64_t rows, int64_t cols, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<uint16_t> x(rows * cols), out(rows * cols);
+  for (auto& v : x) v = bf16_from_f32(nd(rng) * (1.0f + 3.0f * (rng() % 4 == 0)));
+  std::vector<uint8_t> q(rows * cols), sf(rows * cols / 32);
+  if (rows > 0) quantize_input(x.data(), rows, cols, q.data(), sf.data());
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    out[i] = bf16_from_f32(e4m3_to_f32(q[i]) * ue8m0_to_f32(sf[i / 32]));
+  }
+  return out;
+}
+
+Problem make_problem(int64_t H, int64_t I, std::vector<int> counts, bool bias, uint32_t seed) {
+  Problem p;
+  p.H = H; p.I = I; p.E = static_cast<int>(counts.size()); p.counts = counts;
+  p.offsets.assign(p.E + 1, 0);
+  for (int e = 0; e < p.E; ++e) p.offsets[e + 1] = p.offsets[e] + counts[e];
+  p.rows = p.offsets[p.E];
+  std::mt19937 rng(seed);
+  auto fill_w = [&](std::vector<uint8_t>& w, std::vector<uint8_t>& sf, int64_t n, int64_t k) {
+    w.resize(p.E * n * k / 2);
+    sf.resize(p.E * n * k / 32);
+    for (auto& b : w) b = static_cast<uint8_t>(rng());
+    // scales around 2^-log2(sqrt(k)) with spread, so outputs are O(1)
+    const int base = 127 - static_cast<int>(std::lround(std::log2(std::sqrt(double(k))))) - 1;
+    for (auto& s : sf) s = static_cast<uint8_t>(base - 2 + static_cast<int>(rng() % 5));
+  };
+  fill_w(p.w13, p.w13_sf, 2 * I, H);
+  fill_w(p.w2, p.w2_sf, H, I);
+  if (bias) {
+    std::normal_distribution<float> nd(0.0f, 0.5f);
+    p.w13_bias.resize(p.E * 2 * I);
+    p.w2_bias.resize(p.E * H);
+    for (auto& b : p.w13_bias) b = bf16_from_f32(nd(rng));
+    for (auto& b : p.w2_bias) b = bf16_from_f32(nd(rng));
+  }
+  p.act = quantized_rows(p.rows + sm90::kRowSlack, H, rng);
+  p.h_in = quantized_rows(p.rows + sm90::kRowSlack, I, rng);
+  std::uniform_real_distribution<float> ud(0.05f, 1.0f);
+  p.row_weights.resize(std::max<int64_t>(p.rows, 1));
+  for (auto& w : p.row_weights) w = ud(rng);
+  return p;
+}
+
+template <class T>
+Buffer to_device(const std::vector<T>& v) {
+  Buffer b(static_cast<int64_t>(std::max<size_t>(v.size(), 1) * sizeof(T)), Device::cuda());
+  if (!v.empty()) copy_bytes(b.data(), Device::cuda(), v.data(), Device::cpu(), v.size() * sizeof(T));
+  return b;
+}
+template <class T>
+std::vector<T> to_host(const Buffer& b, size_t n) {
+  std::vector<T> v(n);
+  if (n) copy_bytes(v.data(), Device::cpu(), b.data(), Device::cuda(), n * sizeof(T));
+  return v;
+}
+
+// Prepared (sm90) copies of all experts of one matrix.
+void prepare_all(Sm90Matrix which, const Problem& p, const std::vector<uint8_t>& w,
+                 const std::vector<uint8_t>& sf, std::vector<uint8_t>& pw, std::vector<uint8_t>& psf) {
+  pw.resize(w.size());
+  psf.resize(sf.size());
+  const size_t eb = w.size() / p.E, esf = sf.size() / p.E;
+  for (int e = 0; e < p.E; ++e) {
+    sm90_prepare_expert(which, ExpertDims{p.H, p.I}, w.data() + e * eb, sf.data() + e * esf,
+                        pw.data() + e * eb, psf.data() + e * esf);
+  }
+}
+
+// Dequantized canonical matrix of expert e: [n, k] floats.
+std::vector<float> dequant_expert(const std::vector<uint8_t>& w, const std::vector<uint8_t>& sf,
+                                  int e, int64_t n, int64_t k) {
+  std::vector<float> out(n * k);
+  const uint8_t* we = w.data() + e * n * k / 2;
+  const uint8_t* se = sf.data() + e * n * k / 32;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < k; ++c)
+      out[r * k + c] = e2m1_to_f32(e2m1_unpack(we + r * k / 2, c)) * ue8m0_to_f32(se[r * (k / 32) + c / 32]);
+  return out;
+}
+
+// FP64 dot products and sum of |terms| for rows [r0, r0 + nr) of x against all n rows of w.
+void ref_gemm(const std::vector<uint16_t>& x, int64_t r0, int64_t nr, const std::vector<float>& w,
+              int64_t n, int64_t k, std::vector<double>& acc, std::vector<double>& mag) {
+  acc.assign(nr * n, 0.0);
+  mag.assign(nr * n, 0.0);
+  std::vector<double> xr(k);
+  for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t c = 0; c < k; ++c) xr[c] = bf16_to_f32(x[(r0 + r) * k + c]);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* wr = &w[j * k];
+      double s = 0, m = 0;
+      for (int64_t c = 0; c < k; ++c) {
+        const double t = xr[c] * wr[c];
+        s += t;
+        m += std::fabs(t);
+      }
+      acc[r * n + j] = s;
+      mag[r * n + j] = m;
+    }
+  }
+}
+
+std::string describe(const Problem& p, const char* what) {
+  std::string s = std::string(what) + " H=" + std::to_string(p.H) + " I=" + std::to_string(p.I) +
+                  " counts={";
+  for (int c : p.counts) s += std::to_string(c) + ",";
+  return s + "}";
+}
+
+// Bound constant c of numerics.md section 8 (FP32 accumulation of K terms in any order,
+// hardware accumulators that may truncate: generous but still ~1e-4 relative at K = 4096).
+constexpr double kBoundC = 2.0;
+constexpr double kEps32 = 1.1920928955078125e-07;
+
+double bf16_ulp(double v) {
+  const float f = static_cast<float>(std::fabs(v));
+  int ex;
+  std::frexp(f == 0.0f ? 1e-30f : f, &ex);
+  return std::ldexp(1.0, ex - 8);
+}
+
+void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias) {
+  SCOPED_TRACE(describe(p, "L2"));
+  std::vector<uint8_t> pw2, psf2;
+  prepare_all(Sm90Matrix::kW2, p, p.w2, p.w2_sf, pw2, psf2);
+  Buffer d_off = to_device(p.offsets), d_h = to_device(p.h_in), d_rw = to_device(p.row_weights);
+  Buffer d_w = to_device(pw2), d_sf = to_device(psf2);
+  Buffer d_bias = with_bias ? to_device(p.w2_bias) : Buffer();
+  const int64_t max_rows = p.rows + 5;  // capacity above the routed rows
+  Buffer d_out(std::max<int64_t>(max_rows, 1) * p.H * 2, Device::cuda());
+  MEGAMOE_CUDA_CHECK(cudaMemset(d_out.data(), kPoisonByte, d_out.size()));
+  sm90::L2Args a;
+  a.num_experts = p.E; a.hidden = p.H; a.intermediate = p.I; a.max_rows = max_rows;
+  a.rows_bound = rows_bound; a.row_offsets = d_off.as<int32_t>(); a.h_act = d_h.as<uint16_t>();
+  a.row_weights = d_rw.as<float>(); a.w2 = d_w.as<uint8_t>(); a.w2_sf = d_sf.as<uint8_t>();
+  a.w2_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.out = d_out.as<uint16_t>();
+  sm90::launch_l2(a, nullptr);
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto out = to_host<uint16_t>(d_out, max_rows * p.H);
+
+  double worst = 0;
+  int64_t bad = 0;
+  std::vector<double> acc, mag;
+  for (int e = 0; e < p.E; ++e) {
+    if (p.counts[e] == 0) continue;
+    const auto w = dequant_expert(p.w2, p.w2_sf, e, p.H, p.I);
+    ref_gemm(p.h_in, p.offsets[e], p.counts[e], w, p.H, p.I, acc, mag);
+    for (int64_t r = 0; r < p.counts[e]; ++r) {
+      const int64_t row = p.offsets[e] + r;
+      for (int64_t n = 0; n < p.H; ++n) {
+        double ref = acc[r * p.H + n];
+        double m = mag[r * p.H + n];
+        if (with_bias) {
+          const double bt = double(p.row_weights[row]) * bf16_to_f32(p.w2_bias[e * p.H + n]);
+          ref += bt;
+          m += std::fabs(bt);
+        }
+        const double bound = kBoundC * std::sqrt(double(p.I)) * kEps32 * m + bf16_ulp(ref);
+        const double got = bf16_to_f32(out[row * p.H + n]);
+        const double used = std::fabs(got - ref) / bound;
+        worst = std::max(worst, std::isnan(used) ? 1e30 : used);
+        if (!(used <= 1.0) && ++bad <= 5) {
+          ADD_FAILURE() << "L2 row " << row << " (expert " << e << ") n " << n << ": gpu " << got
+                        << " ref " << ref << " bound " << bound;
+        }
+      }
+    }
+  }
+  for (int64_t row = p.rows; row < max_rows; ++row)
+    for (int64_t n = 0; n < p.H; ++n)
+      ASSERT_EQ(out[row * p.H + n], uint16_t(kPoisonByte * 0x101)) << "row past the routed rows written";
+  printf("[sm90 L2] %s rows_bound=%lld bias=%d: max |gpu-ref| / bound = %.3f\n",
+         describe(p, "").c_str(), (long long)rows_bound, int(with_bias), worst);
+  EXPECT_EQ(bad, 0);
+}
+
+// e4m3 codes are monotone in magnitude: neighbours differ by one in the low 7 bits (same sign).
+bool neighbour_codes(uint8_t a, uint8_t b) {
+  if (a == b) return true;
+  const int ma = a & 0x7F, mb = b & 0x7F;
+  if ((a & 0x80) != (b & 0x80)) return ma == 0 && mb == 0 ? true : (ma + mb == 1);
+  return std::abs(ma - mb) == 1;
+}
+
+void run_l1_case(const Problem& p, int64_t rows_bound, const Activation& act, bool fast_math,
+                 bool with_bias) {
+  SCOPED_TRACE(describe(p, "L1") + " act=" + std::to_string(int(act.kind)) +
+               " fast_math=" + std::to_string(fast_math));
+  std::vector<uint8_t> pw, psf;
+  prepare_all(Sm90Matrix::kW13, p, p.w13, p.w13_sf, pw, psf);
+  Buffer d_off = to_device(p.offsets), d_x = to_device(p.act), d_rw = to_device(p.row_weights);
+  Buffer d_w = to_device(pw), d_sf = to_device(psf);
+  Buffer d_bias = with_bias ? to_device(p.w13_bias) : Buffer();
+  const int64_t max_rows = p.rows + 3;
+  const int64_t I = p.I;
+  Buffer d_hq(std::max<int64_t>(max_rows, 1) * I, Device::cuda());
+  Buffer d_hsf(std::max<int64_t>(max_rows, 1) * I / 32, Device::cuda());
+  Buffer d_hact((max_rows + sm90::kRowSlack) * I * 2, Device::cuda());
+  MEGAMOE_CUDA_CHECK(cudaMemset(d_hq.data(), kPoisonByte, d_hq.size()));
+  MEGAMOE_CUDA_CHECK(cudaMemset(d_hsf.data(), kPoisonByte, d_hsf.size()));
+  MEGAMOE_CUDA_CHECK(cudaMemset(d_hact.data(), kPoisonByte, d_hact.size()));
+  sm90::L1Args a;
+  a.num_experts = p.E; a.hidden = p.H; a.intermediate = I; a.max_rows = max_rows;
+  a.rows_bound = rows_bound; a.row_offsets = d_off.as<int32_t>(); a.act = d_x.as<uint16_t>();
+  a.row_weights = d_rw.as<float>(); a.w13 = d_w.as<uint8_t>(); a.w13_sf = d_sf.as<uint8_t>();
+  a.w13_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.activation = act;
+  a.fast_math = fast_math; a.h_q = d_hq.as<uint8_t>(); a.h_sf = d_hsf.as<uint8_t>();
+  a.h_act = d_hact.as<uint16_t>();
+  sm90::launch_l1(a, nullptr);
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto hq = to_host<uint8_t>(d_hq, max_rows * I);
+  const auto hsf = to_host<uint8_t>(d_hsf, max_rows * I / 32);
+  const auto hact = to_host<uint16_t>(d_hact, max_rows * I);
+
+  int64_t flips = 0, far_flips = 0, sf_diff = 0, sf_far = 0, act_bad = 0, codes = 0;
+  std::vector<double> acc, mag;
+  std::vector<float> v(I);
+  for (int e = 0; e < p.E; ++e) {
+    if (p.counts[e] == 0) continue;
+    const auto w = dequant_expert(p.w13, p.w13_sf, e, 2 * I, p.H);
+    ref_gemm(p.act, p.offsets[e], p.counts[e], w, 2 * I, p.H, acc, mag);
+    for (int64_t r = 0; r < p.counts[e]; ++r) {
+      const int64_t row = p.offsets[e] + r;
+      for (int64_t j = 0; j < I; ++j) {
+        float ga = static_cast<float>(acc[r * 2 * I + j]);
+        float ua = static_cast<float>(acc[r * 2 * I + I + j]);
+        if (with_bias) {
+          ga += bf16_to_f32(p.w13_bias[e * 2 * I + j]);
+          ua += bf16_to_f32(p.w13_bias[e * 2 * I + I + j]);
+        }
+        v[j] = apply_activation(act, bf16_round(ga), bf16_round(ua), fast_math) * p.row_weights[row];
+      }
+      for (int64_t grp = 0; grp < I / 32; ++grp) {
+        float amax = 0;
+        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[grp * 32 + j]));
+        const int b = intermediate_scale_exponent(amax);
+        const int gb = hsf[row * (I / 32) + grp];
+        if (gb != b) { ++sf_diff; if (std::abs(gb - b) > 1 && ++sf_far <= 5) ADD_FAILURE() << "scale row " << row << " group " << grp << " gpu " << gb << " ref " << b; }
+        for (int j = 0; j < 32; ++j) {
+          const int64_t idx = row * I + grp * 32 + j;
+          const uint8_t rq = e4m3_quantize_scaled(v[grp * 32 + j], b);
+          ++codes;
+          if (gb == b && hq[idx] != rq) {
+            ++flips;
+            if (!neighbour_codes(hq[idx], rq) && ++far_flips <= 5)
+              ADD_FAILURE() << "code row " << row << " j " << grp * 32 + j << " gpu " << int(hq[idx]) << " ref " << int(rq);
+          }
+          const uint16_t expect = bf16_from_f32(e4m3_to_f32(hq[idx]) * exp2i(gb - 127));
+          if (hact[idx] != expect && ++act_bad <= 5)
+            ADD_FAILURE() << "h_act row " << row << " j " << grp * 32 + j << " is not h_q x 2^(h_sf-127)";
+        }
+      }
+    }
+  }
+  for (int64_t i = p.rows * I; i < max_rows * I; ++i)
+    ASSERT_EQ(hq[i], kPoisonByte) << "h_q written past the routed rows";
+  const double flip_frac = codes ? double(flips) / codes : 0.0;
+  const double sf_frac = codes ? double(sf_diff) * 32 / codes : 0.0;
+  printf("[sm90 L1] %s act=%s fast=%d bias=%d: codes %lld, flipped %lld (%.4f%%), scale diffs %lld (%.4f%% of groups)\n",
+         describe(p, "").c_str(), act.name().c_str(), int(fast_math), int(with_bias),
+         (long long)codes, (long long)flips, 100 * flip_frac, (long long)sf_diff, 100 * sf_frac);
+  EXPECT_EQ(far_flips, 0);
+  EXPECT_EQ(sf_far, 0);
+  EXPECT_EQ(act_bad, 0);
+  EXPECT_LE(flip_frac, 0.005);
+  EXPECT_LE(sf_frac, 0.002);
+}
+
+TEST(Sm90Gemm, L2DecodeAndPrefillConfigs) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(1024, 512, {0, 1, 7, 64, 0, 513, 3, 130}, true, 1);
+  run_l2_case(p, 4, false);        // decode config (tiles of 16 rows)
+  run_l2_case(p, p.rows, false);   // prefill config
+  run_l2_case(p, p.rows, true);    // bias
+}
+
+TEST(Sm90Gemm, L2PartialTilesAndEmptyLayer) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(320, 192, {5, 0, 200, 17}, true, 2);
+  run_l2_case(p, p.rows, true);
+  run_l2_case(p, 1, true);
+  const Problem empty = make_problem(320, 192, {0, 0, 0}, false, 3);
+  run_l2_case(empty, 0, false);
+}
+
+TEST(Sm90Gemm, L1AllActivations) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(1024, 512, {0, 1, 7, 64, 0, 513, 3, 130}, true, 4);
+  run_l1_case(p, p.rows, Activation::swiglu(), true, false);
+  run_l1_case(p, 4, Activation::swiglu(), false, false);
+  run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, false);
+  run_l1_case(p, 4, Activation::situ(4.0f, 25.0f), false, false);
+  run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true);
+  run_l1_case(p, p.rows, Activation::swiglu_clamped(7.0f), true, false);
+}
+
+TEST(Sm90Gemm, L1PartialTiles) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(320, 192, {5, 0, 200, 17}, true, 5);
+  run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true);
+  run_l1_case(p, 1, Activation::swiglu(), true, false);
+}
+
+TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(3584, 3072, {1, 0, 2, 0, 129}, false, 6);
+  run_l1_case(p, 4, Activation::situ(4.0f, 25.0f), true, false);
+  run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, false);
+  run_l2_case(p, 4, false);
+  run_l2_case(p, p.rows, false);
+}
+
+TEST(Sm90Gemm, Rows4096OneExpert) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(512, 256, {4096, 0, 1}, false, 7);
+  run_l1_case(p, p.rows, Activation::swiglu(), true, false);
+  run_l2_case(p, p.rows, false);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Micro-benchmark: GEMM-only times for Kimi-K3 and DeepSeek-V3 shapes.
+// ---------------------------------------------------------------------------------------------
+__global__ void fill_random_kernel(uint8_t* p, int64_t n, uint32_t seed, int mode) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    p[i] = mode == 0 ? static_cast<uint8_t>(h) : static_cast<uint8_t>(118 + (h & 7));
+  }
+}
+__global__ void fill_bf16_kernel(uint16_t* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
+    p[i] = static_cast<uint16_t>(0x3C00 | (h & 0x80FF));  // |x| in [2^-7, 2^-6): finite, nonzero
+  }
+}
+
+struct BenchShape { const char* name; int64_t H, I, E, K; };
+
+TEST(Sm90GemmBench, DISABLED_Shapes) {
+  SKIP_WITHOUT_SM90();
+  const auto& dev = cuda::device_info();
+  // Copy ceiling in the same run.
+  {
+    const int64_t bytes = int64_t(2) << 30;
+    Buffer a(bytes, Device::cuda()), b(bytes, Device::cuda());
+    cudaEvent_t t0, t1; cudaEventCreate(&t0); cudaEventCreate(&t1);
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice));
+    cudaEventRecord(t0);
+    for (int i = 0; i < 5; ++i) cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(t1); cudaEventSynchronize(t1);
+    float ms; cudaEventElapsedTime(&ms, t0, t1);
+    printf("[bench] %s: device copy %.2f TB/s (read + write)\n", dev.name.c_str(), 5 * 2.0 * bytes / (ms * 1e-3) / 1e12);
+  }
+  const BenchShape shapes[] = {{"kimi-k3", 3584, 3072, 896, 16}, {"deepseek-v3", 7168, 2048, 256, 8}};
+  const int tokens[] = {1, 8, 64, 512, 4096, 8192};
+  for (const auto& s : shapes) {
+    const int64_t max_rows = 8192 * s.K;
+    Buffer w13(s.E * 2 * s.I * s.H / 2, Device::cuda()), w13sf(s.E * 2 * s.I * s.H / 32, Device::cuda());
+    Buffer w2(s.E * s.H * s.I / 2, Device::cuda()), w2sf(s.E * s.H * s.I / 32, Device::cuda());
+    fill_random_kernel<<<4096, 256>>>(w13.as<uint8_t>(), w13.size(), 1, 0);
+    fill_random_kernel<<<4096, 256>>>(w13sf.as<uint8_t>(), w13sf.size(), 2, 1);
+    fill_random_kernel<<<4096, 256>>>(w2.as<uint8_t>(), w2.size(), 3, 0);
+    fill_random_kernel<<<4096, 256>>>(w2sf.as<uint8_t>(), w2sf.size(), 4, 1);
+    Buffer x((max_rows + sm90::kRowSlack) * s.H * 2, Device::cuda());
+    Buffer hact((max_rows + sm90::kRowSlack) * s.I * 2, Device::cuda());
+    fill_bf16_kernel<<<4096, 256>>>(x.as<uint16_t>(), x.size() / 2, 5);
+    fill_bf16_kernel<<<4096, 256>>>(hact.as<uint16_t>(), hact.size() / 2, 6);
+    Buffer hq(max_rows * s.I, Device::cuda()), hsf(max_rows * s.I / 32, Device::cuda());
+    Buffer hact_out((max_rows + sm90::kRowSlack) * s.I * 2, Device::cuda());
+    Buffer out(max_rows * s.H * 2, Device::cuda());
+    std::vector<float> rw(max_rows, 0.5f);
+    Buffer d_rw = to_device(rw);
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    for (int T : tokens) {
+      // Uniform top-k routing without repeats, 4 seeds rotated (different experts each launch).
+      constexpr int kRot = 4;
+      std::vector<Buffer> offs;
+      double active_avg = 0;
+      for (int rot = 0; rot < kRot; ++rot) {
+        std::mt19937 rng(1000 * T + rot);
+        std::vector<int> cnt(s.E, 0), perm(s.E);
+        for (int t = 0; t < T; ++t) {
+          std::iota(perm.begin(), perm.end(), 0);
+          for (int k = 0; k < s.K; ++k) {
+            std::swap(perm[k], perm[k + rng() % (s.E - k)]);
+            ++cnt[perm[k]];
+          }
+        }
+        std::vector<int32_t> o(s.E + 1, 0);
+        for (int e = 0; e < s.E; ++e) o[e + 1] = o[e] + cnt[e];
+        active_avg += std::count_if(cnt.begin(), cnt.end(), [](int c) { return c > 0; }) / double(kRot);
+        offs.push_back(to_device(o));
+      }
+      const int64_t rows = int64_t(T) * s.K;
+      sm90::L1Args a1;
+      a1.num_experts = int(s.E); a1.hidden = s.H; a1.intermediate = s.I; a1.max_rows = max_rows;
+      a1.rows_bound = rows; a1.act = x.as<uint16_t>(); a1.row_weights = d_rw.as<float>();
+      a1.w13 = w13.as<uint8_t>(); a1.w13_sf = w13sf.as<uint8_t>();
+      a1.activation = std::string(s.name) == "kimi-k3" ? Activation::situ(4.0f, 25.0f) : Activation::swiglu();
+      a1.h_q = hq.as<uint8_t>(); a1.h_sf = hsf.as<uint8_t>(); a1.h_act = hact_out.as<uint16_t>();
+      sm90::L2Args a2;
+      a2.num_experts = int(s.E); a2.hidden = s.H; a2.intermediate = s.I; a2.max_rows = max_rows;
+      a2.rows_bound = rows; a2.h_act = hact.as<uint16_t>(); a2.row_weights = d_rw.as<float>();
+      a2.w2 = w2.as<uint8_t>(); a2.w2_sf = w2sf.as<uint8_t>(); a2.out = out.as<uint16_t>();
+      for (int which = 0; which < 2; ++which) {
+        auto launch = [&](int it) {
+          if (which == 0) { a1.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l1(a1, nullptr); }
+          else { a2.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l2(a2, nullptr); }
+        };
+        for (int it = 0; it < 3; ++it) launch(it);
+        const int iters = T >= 4096 ? 6 : 20;
+        std::vector<float> ms(iters);
+        cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+        for (int it = 0; it < iters; ++it) {
+          cudaEventRecord(e0); launch(it); cudaEventRecord(e1);
+          MEGAMOE_CUDA_CHECK(cudaEventSynchronize(e1));
+          cudaEventElapsedTime(&ms[it], e0, e1);
+        }
+        MEGAMOE_CUDA_CHECK(cudaGetLastError());
+        std::sort(ms.begin(), ms.end());
+        const double med = ms[iters / 2] * 1e3, mn = ms[0] * 1e3;  // us
+        const double n_rows = which == 0 ? 2.0 * s.I : double(s.H);
+        const double k_red = which == 0 ? double(s.H) : double(s.I);
+        const double wbytes = active_avg * n_rows * k_red * (0.5 + 1.0 / 32);
+        const double flops = 2.0 * rows * n_rows * k_red;
+        printf("[bench] %-11s T=%5d %s rows=%6lld experts=%6.1f  median %9.1f us (min %9.1f)  %7.1f TFLOP/s  weights %6.0f GB/s\n",
+               s.name, T, which == 0 ? "L1" : "L2", (long long)rows, active_avg, med, mn,
+               flops / (med * 1e-6) / 1e12, wbytes / (med * 1e-6) / 1e9);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace megamoe
