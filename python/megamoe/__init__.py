@@ -5,7 +5,7 @@
     config = megamoe.LayerConfig("small")                  # shape preset + its activation
     layer = megamoe.MoELayer(config, megamoe.synthetic_weights(config, seed=1), backend="cpu")
     x = megamoe.bf16_from_f32(np.random.randn(8, config.shape.hidden).astype(np.float32))
-    idx = np.zeros((8, config.shape.top_k), np.int32)      # int32 [T, K] expert ids (-1 = none)
+    idx = np.tile(np.arange(config.shape.top_k, dtype=np.int32), (8, 1))  # int32 [T, K], -1 = none
     w = np.full((8, config.shape.top_k), 0.5, np.float32)  # float32 [T, K]
     y = layer.forward(x, idx, w)                           # bf16 [T, H] (numpy: uint16 bits)
 

@@ -13,6 +13,7 @@ Rules (README "Python"):
 * Nothing is converted: a wrong dtype, device, shape or layout raises the documented error.
 """
 
+import contextlib
 import sys
 
 # megamoe dtype names (as the C++ side spells them) -> numpy / torch dtype names.
@@ -110,6 +111,16 @@ def cuda_stream(stream, *arrays):
         if is_torch(a) and a.is_cuda:
             return _torch().cuda.current_stream(a.device).cuda_stream
     return 0
+
+
+def cuda_device_of(a):
+    """A context that makes a's CUDA device current for the call when it is not already (the
+    kernels launch on the current device); a no-op otherwise."""
+    if is_torch(a) and a.is_cuda:
+        torch = _torch()
+        if torch.cuda.current_device() != a.device.index:
+            return torch.cuda.device(a.device)
+    return contextlib.nullcontext()
 
 
 def shape_of(a):

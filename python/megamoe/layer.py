@@ -35,7 +35,9 @@ class MoELayer:
                  "cpu" or "sm90". Unknown names raise InvalidArgumentError (ValueError); a known
                  backend this build or machine cannot run raises UnsupportedError (RuntimeError).
 
-    The layer lives on one device (`device`: "cpu" or "cuda:N"); its inputs must be there.
+    The layer lives on one device (`device`: "cpu" or "cuda:N"); its inputs must be there. A GPU
+    layer is built on the current CUDA device (`with torch.cuda.device(i): MoELayer(...)`).
+    A layer owns one workspace: do not call the same layer from several threads at once.
     """
 
     def __init__(self, config, weights, backend="auto"):
@@ -82,16 +84,19 @@ class MoELayer:
 
         T may be 0 and may not exceed config.max_tokens_per_rank (OutOfRangeError). Wrong dtypes
         raise DTypeError (TypeError); wrong shapes, devices or strides InvalidArgumentError
-        (ValueError); an expert id outside [-1, E) OutOfRangeError (ValueError) on the CPU
-        backend.
+        (ValueError). An expert id outside [-1, E) raises OutOfRangeError (ValueError) on the
+        cpu backend; the sm90 backend never reads with it, treats the slot as empty and records
+        it on the device (the C++ Sm90Layer::check_errors reports it; MoeLayer does not expose
+        that check yet).
         """
         _arrays.check_array(x, "x")
         y = _arrays.output(out, x, _arrays.shape_of(x), "bfloat16", bf16_like=x)
         handle = _arrays.cuda_stream(stream, x, y)
-        self._layer.forward(_arrays.stream_input(x, "x"),
-                            _arrays.stream_input(topk_idx, "topk_idx"),
-                            _arrays.stream_input(topk_weights, "topk_weights"),
-                            _arrays.stream_input(y, "out"), handle)
+        with _arrays.cuda_device_of(x):
+            self._layer.forward(_arrays.stream_input(x, "x"),
+                                _arrays.stream_input(topk_idx, "topk_idx"),
+                                _arrays.stream_input(topk_weights, "topk_weights"),
+                                _arrays.stream_input(y, "out"), handle)
         return y
 
     __call__ = forward
