@@ -280,11 +280,14 @@ nlohmann::json environment_json(const std::string& git_rev) {
   env["l2_bytes"] = info.l2_bytes;
   env["max_sm_clock_mhz"] = info.max_clock_khz / 1000;
   env["max_mem_clock_mhz"] = info.mem_clock_khz / 1000;
-  env["driver_version"] = info.driver_version;
+  env["driver_cuda_version"] = info.driver_version;  // CUDA version the driver supports
   env["cuda_runtime_version"] = info.runtime_version;
+  env["driver"] = run_command(
+      "nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1");
+  // SM clock, memory clock, max SM clock, power, temperature when the run starts.
   env["clocks_now"] = run_command(
-      "nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu,"
-      "driver_version --format=csv,noheader 2>/dev/null");
+      "nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu "
+      "--format=csv,noheader 2>/dev/null | head -1");
   std::string rev = git_rev;
   if (rev.empty()) rev = run_command("git rev-parse --short HEAD 2>/dev/null");
   env["git_rev"] = rev.empty() ? "unknown" : rev;
@@ -310,9 +313,10 @@ int run_bench(const BenchOptions& o) {
   nlohmann::json env = environment_json(o.git_rev);
   Ceilings ceil;
   if (o.ceilings) ceil = measure_ceilings(stream);
-  std::printf("megamoe bench: %s, %d SMs, L2 %.0f MB, driver %d, CUDA runtime %d, git %s\n",
-              info.name.c_str(), info.sm_count, info.l2_bytes / 1e6, info.driver_version,
-              info.runtime_version, env["git_rev"].get<std::string>().c_str());
+  std::printf("megamoe bench: %s, %d SMs, L2 %.0f MB, driver %s (CUDA %d), CUDA runtime %d, git %s\n",
+              info.name.c_str(), info.sm_count, info.l2_bytes / 1e6,
+              env["driver"].get<std::string>().c_str(), info.driver_version, info.runtime_version,
+              env["git_rev"].get<std::string>().c_str());
   std::printf("clocks now: %s\n", env["clocks_now"].get<std::string>().c_str());
   std::printf("ceilings (%s): copy %.2f TB/s (read + written), BF16 GEMM %d^3 %.0f TFLOP/s; "
               "FP8 %.0f TFLOP/s (targets.md)\n",

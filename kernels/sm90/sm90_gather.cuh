@@ -26,25 +26,29 @@ __device__ __forceinline__ uint32_t gather_pack_bf16x2(float lo, float hi) {
   return static_cast<uint32_t>(bf16_from_f32(lo)) | (static_cast<uint32_t>(bf16_from_f32(hi)) << 16);
 }
 
-// chunks_per_row = H / kGatherVec; max_rows = T * K.
+// max_rows = T * K. The launcher guarantees max_rows * H / kGatherVec < 2^32, so work items are
+// indexed in 32 bits. NOTES: with 64-bit indices the two divisions per item (row of the item,
+// token of the row) made the kernel instruction-bound at ~1.1 TB/s of writes.
 __global__ void __launch_bounds__(kGatherBlockThreads)
 sm90_gather_dequant_e4m3_bf16_kernel(const uint8_t* __restrict__ x_q,
                                      const uint8_t* __restrict__ x_sf,
                                      const int32_t* __restrict__ row_offsets,
                                      const int32_t* __restrict__ row_slot, int32_t num_local,
-                                     int32_t top_k, int64_t hidden, int64_t max_rows,
+                                     uint32_t top_k, uint32_t hidden, int64_t max_rows,
                                      uint16_t* __restrict__ act) {
-  const int64_t chunks_per_row = hidden / kGatherVec;
-  const int64_t num_rows = min(static_cast<int64_t>(__ldg(row_offsets + num_local)), max_rows);
-  const int64_t total = num_rows * chunks_per_row;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += stride) {
-    const int64_t r = i / chunks_per_row;
-    const int64_t c = i - r * chunks_per_row;
-    const int64_t t = __ldg(row_slot + r) / top_k;
-    const uint2 codes = __ldg(reinterpret_cast<const uint2*>(x_q + t * hidden) + c);
-    const int b = __ldg(x_sf + t * (hidden / kScaleBlock) + (c * kGatherVec) / kScaleBlock);
+  const uint32_t chunks_per_row = hidden / kGatherVec;
+  const uint32_t num_rows =
+      static_cast<uint32_t>(min(static_cast<int64_t>(__ldg(row_offsets + num_local)), max_rows));
+  const uint32_t total = num_rows * chunks_per_row;
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const uint32_t r = i / chunks_per_row;
+    const uint32_t c = i - r * chunks_per_row;
+    const uint32_t t = static_cast<uint32_t>(__ldg(row_slot + r)) / top_k;
+    const uint2 codes =
+        __ldg(reinterpret_cast<const uint2*>(x_q + static_cast<size_t>(t) * hidden) + c);
+    const int b = __ldg(x_sf + static_cast<size_t>(t) * (hidden / kScaleBlock) +
+                        (c * kGatherVec) / kScaleBlock);
     const float scale = ue8m0_to_f32(static_cast<uint8_t>(b));
     const uint32_t words[2] = {codes.x, codes.y};
     uint32_t out[kGatherVec / 2];
@@ -55,7 +59,8 @@ sm90_gather_dequant_e4m3_bf16_kernel(const uint8_t* __restrict__ x_q,
       const float hi = e4m3_to_f32(static_cast<uint8_t>((w >> 8) & 0xFFu)) * scale;
       out[j] = gather_pack_bf16x2(lo, hi);
     }
-    reinterpret_cast<uint4*>(act + r * hidden)[c] = make_uint4(out[0], out[1], out[2], out[3]);
+    reinterpret_cast<uint4*>(act + static_cast<size_t>(r) * hidden)[c] =
+        make_uint4(out[0], out[1], out[2], out[3]);
   }
 }
 

@@ -36,15 +36,19 @@
 
 namespace megamoe::sm90 {
 
-// Local expert of a slot, or -1. Records invalid ids.
-__device__ __forceinline__ int32_t route_local_expert(const RouteParams& p, int64_t slot) {
-  const int32_t id = __ldg(p.topk_idx + slot);
+constexpr int kRouteUnroll = 8;  // 32-slot chunks whose ids a warp loads before using them
+
+// Local expert of id `id` (read from slot `slot`), or -1. With kRecord, records invalid ids.
+template <bool kRecord>
+__device__ __forceinline__ int32_t route_local_expert(const RouteParams& p, int32_t id, int64_t slot) {
   if (id == -1) return -1;
   if (id < 0 || id >= p.num_experts) {
-    const unsigned long long record =
-        (static_cast<unsigned long long>(slot) << 32) | static_cast<uint32_t>(id);
-    atomicMin(&p.error->first_bad, record);
-    atomicAdd(&p.error->num_bad, 1ull);
+    if (kRecord) {
+      const unsigned long long record =
+          (static_cast<unsigned long long>(slot) << 32) | static_cast<uint32_t>(id);
+      atomicMin(&p.error->first_bad, record);
+      atomicAdd(&p.error->num_bad, 1ull);
+    }
     return -1;
   }
   const int32_t local = id - p.first_local;
@@ -68,13 +72,24 @@ sm90_route_topk_kernel(const RouteParams p, int num_warps) {
   __syncthreads();
 
   // ---- pass 1: per-warp histograms ----
+  // NOTES: each lane loads kRouteUnroll ids before using any, so a warp keeps kRouteUnroll loads
+  // in flight; one load at a time left the single CTA latency-bound (~340 us at T*K = 131072).
   if (warp < num_warps) {
     const int64_t begin = warp * segment;
     const int64_t end = min(begin + segment, p.num_slots);
     int32_t* my_hist = hist + warp * num_local;
-    for (int64_t s = begin + lane; s < end; s += kRouteWarpSize) {
-      const int32_t e = route_local_expert(p, s);
-      if (e >= 0) atomicAdd(my_hist + e, 1);
+    for (int64_t base = begin; base < end; base += kRouteWarpSize * kRouteUnroll) {
+      int32_t ids[kRouteUnroll];
+#pragma unroll
+      for (int u = 0; u < kRouteUnroll; ++u) {
+        const int64_t s = base + u * kRouteWarpSize + lane;
+        ids[u] = s < end ? __ldg(p.topk_idx + s) : -1;
+      }
+#pragma unroll
+      for (int u = 0; u < kRouteUnroll; ++u) {
+        const int32_t e = route_local_expert<true>(p, ids[u], base + u * kRouteWarpSize + lane);
+        if (e >= 0) atomicAdd(my_hist + e, 1);
+      }
     }
   }
   __syncthreads();
@@ -127,29 +142,35 @@ sm90_route_topk_kernel(const RouteParams p, int num_warps) {
     const int64_t end = min(begin + segment, p.num_slots);
     int32_t* my_cursor = hist + warp * num_local;
     const unsigned lanes_below = (1u << lane) - 1u;
-    for (int64_t chunk = begin; chunk < end; chunk += kRouteWarpSize) {
-      const int64_t s = chunk + lane;
-      const bool in_range = s < end;
-      // NOTES: pass 2 must not record errors twice; it re-reads the id and maps invalid ones to -1.
-      int32_t e = -1;
-      if (in_range) {
-        const int32_t id = __ldg(p.topk_idx + s);
-        const int32_t local = id - p.first_local;
-        if (id >= 0 && id < p.num_experts && local >= 0 && local < p.num_local) e = local;
+    for (int64_t base = begin; base < end; base += kRouteWarpSize * kRouteUnroll) {
+      int32_t ids[kRouteUnroll];
+      float weights[kRouteUnroll];
+#pragma unroll
+      for (int u = 0; u < kRouteUnroll; ++u) {
+        const int64_t s = base + u * kRouteWarpSize + lane;
+        ids[u] = s < end ? __ldg(p.topk_idx + s) : -1;
+        weights[u] = s < end ? __ldg(p.topk_weights + s) : 0.0f;
       }
-      const unsigned peers = __match_any_sync(kFullMask, e);
-      const int32_t rank = __popc(peers & lanes_below);
-      int32_t r = -1;
-      if (e >= 0) r = my_cursor[e] + rank;
-      __syncwarp();
-      // The lowest lane of each group advances its expert's cursor by the group size.
-      if (e >= 0 && rank == 0) my_cursor[e] += __popc(peers);
-      __syncwarp();
-      if (in_range) {
-        p.slot_to_row[s] = r;
-        if (r >= 0) {
-          p.row_slot[r] = static_cast<int32_t>(s);
-          p.row_weights[r] = __ldg(p.topk_weights + s);
+      // Chunks in order: the placement stays stable (ascending slots within an expert).
+#pragma unroll
+      for (int u = 0; u < kRouteUnroll; ++u) {
+        const int64_t s = base + u * kRouteWarpSize + lane;
+        // Invalid ids were recorded in pass 1; here they only map to -1.
+        const int32_t e = route_local_expert<false>(p, ids[u], s);
+        const unsigned peers = __match_any_sync(kFullMask, e);
+        const int32_t rank = __popc(peers & lanes_below);
+        int32_t r = -1;
+        if (e >= 0) r = my_cursor[e] + rank;
+        __syncwarp();
+        // The lowest lane of each group advances its expert's cursor by the group size.
+        if (e >= 0 && rank == 0) my_cursor[e] += __popc(peers);
+        __syncwarp();
+        if (s < end) {
+          p.slot_to_row[s] = r;
+          if (r >= 0) {
+            p.row_slot[r] = static_cast<int32_t>(s);
+            p.row_weights[r] = weights[u];
+          }
         }
       }
     }

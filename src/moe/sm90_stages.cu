@@ -100,11 +100,13 @@ void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_o
   check_aligned("gather x_q", x_q, 8);
   check_aligned("gather act", act, 16);
   const int64_t work = max_rows * (hidden / kGatherVec);
+  MEGAMOE_CHECK(work < (int64_t{1} << 32), ErrorCode::kUnsupported, "gather: ", max_rows,
+                " rows x ", hidden, " channels exceed the kernel's 32-bit item index");
   sm90_gather_dequant_e4m3_bf16_kernel<<<grid_for(work, kGatherBlockThreads), kGatherBlockThreads,
                                          0, stream>>>(x_q, x_sf, row_offsets, row_slot,
                                                       static_cast<int32_t>(num_local),
-                                                      static_cast<int32_t>(top_k), hidden,
-                                                      max_rows, act);
+                                                      static_cast<uint32_t>(top_k),
+                                                      static_cast<uint32_t>(hidden), max_rows, act);
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -118,9 +120,12 @@ void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num
   check_aligned("combine out", out, 16);
   check_aligned("combine y", y, 16);
   const int64_t work = num_tokens * (hidden / kCombineVec);
+  MEGAMOE_CHECK(work < (int64_t{1} << 32), ErrorCode::kUnsupported, "combine: ", num_tokens,
+                " tokens x ", hidden, " channels exceed the kernel's 32-bit item index");
   sm90_combine_topk_bf16_kernel<<<grid_for(work, kCombineBlockThreads), kCombineBlockThreads, 0,
-                                  stream>>>(out, slot_to_row, num_tokens,
-                                            static_cast<int32_t>(top_k), hidden, y);
+                                  stream>>>(out, slot_to_row, static_cast<uint32_t>(num_tokens),
+                                            static_cast<int32_t>(top_k),
+                                            static_cast<uint32_t>(hidden), y);
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
