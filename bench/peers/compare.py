@@ -101,50 +101,77 @@ def _get(rec: dict, key: str):
     return None
 
 
-def run_megamoe(args, shapes, tokens, log) -> list[dict]:
+def megamoe_ep_size(shape_name: str) -> int:
+    sh = SHAPES[shape_name]
+    return sh.num_experts // sh.bench_experts
+
+
+def run_megamoe(args, shapes, tokens) -> list[dict]:
+    """`megamoe bench` once per (shape, routing), appending JSON lines to <out>/megamoe_bench.jsonl.
+
+    kimi-k3 runs with --ep-size 8 (rank 0's 112 experts). NOTES: the bench routes T tokens over all
+    E experts, so rank 0 gets about T*K/8 of the slots: a lighter load than the peers' (T tokens
+    routed among the 112 local experts, T*K slots). Its lines keep their own floor and are not used
+    for the megamoe/peer ratio where megamoe-py (the peers' exact inputs) ran."""
     base = {'system': MEGAMOE}
-    missing = []
     if not args.megamoe_bin or not os.path.isfile(args.megamoe_bin):
         reason = f'megamoe binary not found at {args.megamoe_bin!r}'
-    else:
-        cmd = [args.megamoe_bin, 'bench', '--json', *shlex.split(args.megamoe_args)]
-        print('running:', shlex.join(cmd), flush=True)
-        t0 = time.time()
-        rc, out, err = run_cmd(cmd, args.megamoe_timeout)
-        with open(os.path.join(args.out, 'megamoe_bench.log'), 'w') as f:
-            f.write(f'$ {shlex.join(cmd)}\nrc={rc} ({time.time() - t0:.1f} s)\n--- stdout\n{out}\n--- stderr\n{err}\n')
-        recs = []
-        for line in out.splitlines():
-            line = line.strip()
-            if not line.startswith('{'):
+        print('megamoe:', reason, flush=True)
+        return [{**base, 'shape': s, 'tokens': t, 'routing': 'uniform', 'status': 'missing', 'reason': reason}
+                for s in shapes for t in tokens]
+    json_path = os.path.join(args.out, 'megamoe_bench.jsonl')
+    if os.path.exists(json_path):
+        os.remove(json_path)
+    routings = args.megamoe_routings.split(',')
+    runs = [(s, r) for s in shapes for r in routings]
+    deadline = time.time() + args.megamoe_timeout
+    failures = {}
+    with open(os.path.join(args.out, 'megamoe_bench.log'), 'w') as log:
+        for n, (s, r) in enumerate(runs):
+            left = deadline - time.time()
+            if left <= 5:
+                failures[(s, r)] = f'--megamoe-timeout {args.megamoe_timeout:.0f} s spent before this run'
                 continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            shape, t, us = _get(r, 'shape'), _get(r, 'tokens'), _get(r, 'median_us')
-            if shape is None or t is None or us is None:
-                continue
-            rec = {**base, 'status': 'ok', 'shape': shape, 'tokens': int(t),
-                   'routing': _get(r, 'routing') or 'uniform', 'median_us': float(us),
-                   'min_us': _get(r, 'min_us'), 'raw': r}
-            if shape in SHAPES:
-                sh = SHAPES[shape]
-                rec['tflops'] = effective_tflops(sh, int(t), float(us))
-                rec['floor_us'] = floors(sh, int(t))['floor_us']
-                rec['fraction_of_floor'] = rec['floor_us'] / float(us)
-            recs.append(rec)
-        if recs:
+            cmd = [args.megamoe_bin, 'bench', '--shape', s, '--tokens', ','.join(map(str, tokens)),
+                   '--routing', r, '--ep-size', str(megamoe_ep_size(s)), '--json', json_path, '--no-stages',
+                   *([] if n == 0 else ['--no-ceilings']), *shlex.split(args.megamoe_args)]
+            print('running:', shlex.join(cmd), flush=True)
+            t0 = time.time()
+            rc, out, err = run_cmd(cmd, left)
+            log.write(f'$ {shlex.join(cmd)}\nrc={rc} ({time.time() - t0:.1f} s)\n--- stdout\n{out}\n--- stderr\n{err}\n')
+            log.flush()
+            print(out.strip()[-2000:], flush=True)
             if rc != 0:
-                print(f'megamoe bench exited {rc}; keeping its {len(recs)} result lines', flush=True)
-            return recs
-        reason = f'megamoe bench gave no result lines (rc={rc}; stderr: {err.strip()[-300:]})'
-    print('megamoe:', reason, flush=True)
-    for s in shapes:
+                failures[(s, r)] = f'megamoe bench rc={rc}: {(err.strip() or out.strip())[-300:]}'
+    recs, seen = [], set()
+    if os.path.exists(json_path):
+        with open(json_path) as f:
+            for line in f:
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                shape, t, us = _get(raw, 'shape'), _get(raw, 'tokens'), _get(raw, 'median_us')
+                if raw.get('record', 'layer') != 'layer' or shape is None or t is None or us is None:
+                    continue
+                routing = _get(raw, 'routing') or 'uniform'
+                ep = int(raw.get('ep_size', 1))
+                rec = {**base, 'status': 'ok', 'shape': shape, 'tokens': int(t), 'routing': routing,
+                       'median_us': float(us), 'min_us': _get(raw, 'min_us'), 'ep_size': ep,
+                       'tflops': raw.get('tflops'), 'floor_us': raw.get('floor_us'),
+                       'fraction_of_floor': raw.get('fraction_of_floor'), 'raw': raw,
+                       'same_workload_as_peers': shape in SHAPES and ep == 1
+                       and SHAPES[shape].bench_experts == SHAPES[shape].num_experts}
+                if shape in SHAPES and rec['tflops'] is None:
+                    rec['tflops'] = effective_tflops(SHAPES[shape], int(t), float(us))
+                recs.append(rec)
+                seen.add((shape, int(t), routing))
+    for s, r in runs:
         for t in tokens:
-            missing.append({**base, 'shape': s, 'tokens': t, 'routing': 'uniform', 'status': 'missing',
-                            'reason': reason})
-    return missing
+            if (s, t, r) not in seen:
+                reason = failures.get((s, r), 'megamoe bench wrote no result line for this point')
+                recs.append({**base, 'shape': s, 'tokens': t, 'routing': r, 'status': 'missing', 'reason': reason})
+    return recs
 
 
 def unpack_packed_peers() -> list:
@@ -314,7 +341,8 @@ def megamoe_times(records) -> dict:
         if r.get('status') != 'ok':
             continue
         key = (r.get('shape'), r.get('tokens'))
-        if r['system'] == MEGAMOE and r.get('routing', 'uniform') == 'uniform':
+        if (r['system'] == MEGAMOE and r.get('routing', 'uniform') == 'uniform'
+                and r.get('same_workload_as_peers')):
             best.setdefault(key, (r['median_us'], 'megamoe bench'))
         elif r['system'] == MEGAMOE_PY and r.get('check') == 'pass':
             best[key] = (r['median_us'], MEGAMOE_PY)
@@ -332,7 +360,7 @@ def make_table(records, shapes, tokens) -> str:
     systems = [MEGAMOE] + [p for p in SYSTEMS if any(r['system'] == p for r in records)]
     for s in shapes:
         for t in tokens:
-            fl = floors(SHAPES[s], t)['floor_us']
+            peer_floor = floors(SHAPES[s], t)['floor_us']
             for sysname in systems:
                 rows = [r for r in records if r['system'] == sysname and r['shape'] == s and r['tokens'] == t]
                 for r in sorted(rows, key=lambda r: r.get('routing', '')):
@@ -346,11 +374,17 @@ def make_table(records, shapes, tokens) -> str:
                         check = (f"{r.get('check')}: {r['diff_vs_ideal']:.1e} ({r['worst_row_diff_vs_ideal']:.1e}); "
                                  f"vs contract {r.get('diff_vs_contract', float('nan')):.1e}")
                     status = 'ok' if ok else f"{r.get('status')}: {r.get('reason', '')}"
+                    fl = peer_floor
+                    if sysname == MEGAMOE and ok:
+                        fl = r.get('floor_us') or peer_floor
+                        if not r.get('same_workload_as_peers'):
+                            status += (f" (bench workload: EP{r.get('ep_size')} rank 0 of T tokens routed over all "
+                                       f"{SHAPES[s].num_experts} experts)")
                     if ok and r.get('mode') and r['mode'] != 'cuda_graph':
                         status += f" ({r['mode']})"
                     lines.append(f"| {s} | {t} | {r.get('routing', 'uniform')} | {sysname} | "
                                  f"{fmt(r.get('median_us'), '.1f')} | {fmt(r.get('min_us'), '.1f')} | "
-                                 f"{fmt(r.get('tflops'), '.1f')} | {fl:.1f} | {fmt(r.get('fraction_of_floor'), '.2f')} | "
+                                 f"{fmt(r.get('tflops'), '.1f')} | {fmt(fl, '.1f')} | {fmt(r.get('fraction_of_floor'), '.2f')} | "
                                  f"{ratio} | {check} | {status} |")
     return '\n'.join(lines)
 
@@ -369,6 +403,8 @@ def make_plot(records, shapes, tokens, path) -> str:
         for r in records:
             if r.get('shape') == s and r.get('status') == 'ok' and r.get('check', 'pass') == 'pass':
                 key = r['system'] + ('' if r.get('routing', 'uniform') == 'uniform' else f" ({r['routing']})")
+                if r['system'] == MEGAMOE and not r.get('same_workload_as_peers', True):
+                    key += f" [bench: EP{r.get('ep_size')} rank-0 share]"
                 series.setdefault(key, []).append((r['tokens'], r['median_us']))
         for key, pts in sorted(series.items()):
             pts.sort()
@@ -391,8 +427,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--megamoe-bin', default=os.path.join(REPO, 'build', 'megamoe'))
     ap.add_argument('--megamoe-args', default='',
-                    help='extra arguments after `megamoe bench --json` (shapes, tokens, routings, experts)')
-    ap.add_argument('--megamoe-timeout', type=float, default=240.0)
+                    help='extra arguments appended to every `megamoe bench` command (e.g. --exact, --replays 20)')
+    ap.add_argument('--megamoe-routings', default='uniform,skewed', help='routing kinds megamoe bench runs')
+    ap.add_argument('--megamoe-timeout', type=float, default=240.0, help='seconds for all megamoe bench runs')
     ap.add_argument('--out', default=os.path.join(REPO, 'results'))
     ap.add_argument('--shapes', default=','.join(DEFAULT_SHAPES))
     ap.add_argument('--tokens', default=','.join(map(str, TOKEN_COUNTS)))
@@ -432,7 +469,7 @@ def main() -> int:
         records += [{'system': MEGAMOE, 'shape': s, 'tokens': t, 'routing': 'uniform', 'status': 'missing',
                      'reason': 'skipped (--skip-megamoe)'} for s in shapes for t in tokens]
     else:
-        records += run_megamoe(args, shapes, tokens, None)
+        records += run_megamoe(args, shapes, tokens)
     if args.warm_parallel > 0:
         warm_jit(args, shapes, tokens)
     records += run_peers(args, shapes, tokens)
