@@ -412,8 +412,12 @@ def make_plot(records, shapes, tokens, path) -> str:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker='o', label=key)
         ax.set_xscale('log')
         ax.set_yscale('log')
+        ax.set_xticks(tokens)
+        ax.set_xticklabels([str(t) for t in tokens])
+        ax.minorticks_off()
         sh = SHAPES[s]
-        ax.set_title(f'{s}: H={sh.hidden} I={sh.intermediate} E={sh.bench_experts} K={sh.top_k}, uniform routing')
+        ax.set_title(f'{s}: H={sh.hidden} I={sh.intermediate} E={sh.bench_experts} K={sh.top_k} (peers: uniform routing)',
+                     fontsize=10)
         ax.set_xlabel('tokens per rank')
         ax.set_ylabel('time per layer (us, median)')
         ax.grid(True, which='both', alpha=0.3)
