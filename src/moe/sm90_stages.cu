@@ -2,6 +2,7 @@
 #include "moe/sm90_stages.hpp"
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 
 #include "megamoe/error.hpp"
@@ -65,14 +66,16 @@ void configure_route_smem(size_t smem_bytes) {
   // NOTES: the opt-in limit is a per-function attribute, raised only when a larger value is
   // needed. Sm90Layer sets it at construction, so a forward() captured into a CUDA graph makes no
   // attribute call at all.
+  // The attribute belongs to the function on the current device: tracked per device.
   static std::mutex mutex;
-  static size_t configured = 0;
+  static std::map<int, size_t> configured;
+  const int device = cuda::current_device();
   std::lock_guard<std::mutex> lock(mutex);
-  if (smem_bytes <= configured) return;
+  if (smem_bytes <= configured[device]) return;
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(sm90_route_topk_kernel,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem_bytes)));
-  configured = smem_bytes;
+  configured[device] = smem_bytes;
 }
 
 void launch_route(const RouteParams& params, cudaStream_t stream) {

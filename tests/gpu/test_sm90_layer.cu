@@ -368,10 +368,19 @@ TEST(Sm90Layer, SmallAllActivationsBothMathModes) {
 TEST(Sm90Layer, DeepseekV3) {
   MEGAMOE_REQUIRE_SM90();
   struct P { int64_t t; Routing r; const char* act; bool fast; int64_t checked; };
-  const P cases[] = {{1, Routing::kUniform, "", true, 64},      {7, Routing::kSkewed, "", true, 64},
-                     {64, Routing::kUniform, "", true, 64},     {64, Routing::kUniform, "", false, 64},
-                     {7, Routing::kUniform, "situ", true, 64},  {513, Routing::kSkewed, "", true, 24},
-                     {4096, Routing::kAdversarial, "", true, 8}};
+  const P cases[] = {{0, Routing::kUniform, "", true, 64},
+                     {1, Routing::kUniform, "", true, 64},
+                     {1, Routing::kAdversarial, "", true, 64},
+                     {7, Routing::kSkewed, "", true, 64},
+                     {7, Routing::kUniform, "situ", true, 64},
+                     {64, Routing::kUniform, "", true, 64},
+                     {64, Routing::kUniform, "", false, 64},
+                     {64, Routing::kAdversarial, "", false, 32},
+                     {64, Routing::kSkewed, "swiglu_oai", true, 16},
+                     {513, Routing::kSkewed, "", true, 24},
+                     {513, Routing::kUniform, "swiglu:clamp=7", false, 16},
+                     {4096, Routing::kAdversarial, "", true, 8},
+                     {4096, Routing::kUniform, "", true, 8}};
   uint64_t seed = 300;
   for (const P& p : cases) {
     LayerCase c;
@@ -379,6 +388,7 @@ TEST(Sm90Layer, DeepseekV3) {
     c.tokens = p.t;
     c.routing = p.r;
     c.activation = p.act;
+    c.bias = std::string(p.act) == "swiglu_oai";
     c.fast_math = p.fast;
     c.max_checked_tokens = p.checked;
     run_case(c, seed++);
@@ -388,10 +398,19 @@ TEST(Sm90Layer, DeepseekV3) {
 TEST(Sm90Layer, KimiK3Ep8) {
   MEGAMOE_REQUIRE_SM90();
   struct P { int64_t t; Routing r; const char* act; bool fast; int64_t checked; };
-  const P cases[] = {{1, Routing::kUniform, "", true, 64},       {7, Routing::kSkewed, "", true, 64},
-                     {64, Routing::kUniform, "", true, 64},      {64, Routing::kSkewed, "", false, 64},
-                     {7, Routing::kUniform, "swiglu", true, 64}, {513, Routing::kAdversarial, "", true, 16},
-                     {4096, Routing::kUniform, "", true, 32}};
+  const P cases[] = {{0, Routing::kUniform, "", true, 64},
+                     {1, Routing::kUniform, "", true, 64},
+                     {1, Routing::kAdversarial, "", true, 64},
+                     {7, Routing::kSkewed, "", true, 64},
+                     {7, Routing::kUniform, "swiglu", true, 64},
+                     {64, Routing::kUniform, "", true, 64},
+                     {64, Routing::kSkewed, "", false, 64},
+                     {64, Routing::kAdversarial, "", true, 16},
+                     {64, Routing::kUniform, "swiglu_oai", false, 32},
+                     {513, Routing::kAdversarial, "", true, 16},
+                     {513, Routing::kSkewed, "", false, 32},
+                     {4096, Routing::kUniform, "", true, 32},
+                     {4096, Routing::kSkewed, "", true, 16}};
   uint64_t seed = 400;
   for (const P& p : cases) {
     LayerCase c;
@@ -401,6 +420,7 @@ TEST(Sm90Layer, KimiK3Ep8) {
     c.tokens = p.t;
     c.routing = p.r;
     c.activation = p.act;
+    c.bias = std::string(p.act) == "swiglu_oai";
     c.fast_math = p.fast;
     c.max_checked_tokens = p.checked;
     run_case(c, seed++);
@@ -564,6 +584,66 @@ TEST(Sm90Layer, MoeLayerSm90BackendMatchesSm90Layer) {
                              TensorView::contiguous(dw.get(), DType::kF32, {t, s.top_k}, dev),
                              TensorView::contiguous(host_y.data(), DType::kBF16, {t, s.hidden})),
                Error);
+}
+
+}  // namespace
+}  // namespace megamoe::sm90
+
+namespace megamoe::sm90 {
+namespace {
+
+// numerics.md section 7: NaN/Inf in x never crash; finite overflow saturates, NaN propagates.
+// Tokens are independent, so the other tokens' outputs must be bitwise those of a run without the
+// non-finite tokens, and a poisoned token's output has NaN exactly where the CPU reference has.
+TEST(Sm90Layer, NonFiniteInputsPropagateLikeTheReference) {
+  MEGAMOE_REQUIRE_SM90();
+  LayerCase c;
+  c.shape = "small";
+  c.tokens = 64;
+  LayerConfig config;
+  auto layer = make_layer(c, &config);
+  const ShapeData& sd = shape_data(c.shape, 1, 0, false);
+  const LayerShape& s = config.shape;
+  const int64_t t = c.tokens, h = s.hidden;
+  auto x = test::make_inputs(t, h, 21);
+  const auto clean_x = x;
+  const auto routing = test::make_routing(Routing::kUniform, t, s.num_experts, s.top_k, 21);
+  const int64_t nan_token = 5, inf_token = 9, big_token = 13;
+  x[static_cast<size_t>(nan_token * h + 17)] = bf16_from_f32(std::nanf(""));
+  x[static_cast<size_t>(inf_token * h + 300)] = bf16_from_f32(INFINITY);
+  x[static_cast<size_t>(big_token * h + 2)] = bf16_from_f32(-3.0e38f);
+
+  DeviceArray<uint16_t> dx(x), dclean(clean_x), dy(t * h), dy_clean(t * h);
+  DeviceArray<int32_t> didx(routing.idx);
+  DeviceArray<float> dw(routing.weights);
+  layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), nullptr);
+  layer->check_errors(nullptr);
+  layer->forward(dclean.get(), didx.get(), dw.get(), t, dy_clean.get(), nullptr);
+  layer->check_errors(nullptr);
+  const auto y = dy.download(), y_clean = dy_clean.download();
+  for (int64_t tok = 0; tok < t; ++tok) {
+    if (tok == nan_token || tok == inf_token || tok == big_token) continue;
+    for (int64_t i = 0; i < h; ++i)
+      ASSERT_EQ(y[tok * h + i], y_clean[tok * h + i]) << "token " << tok << " changed";
+  }
+  std::vector<uint8_t> xq(static_cast<size_t>(t * h)), xsf(static_cast<size_t>(t * h / kScaleBlock));
+  quantize_input(x.data(), t, h, xq.data(), xsf.data());
+  std::vector<uint16_t> y_ref(static_cast<size_t>(t * h));
+  reference_forward_quantized(config, sd.host, xq.data(), xsf.data(), routing.idx.data(),
+                              routing.weights.data(), t, y_ref.data());
+  for (int64_t tok : {nan_token, inf_token, big_token}) {
+    int64_t nan_gpu = 0, nan_ref = 0, mismatched = 0;
+    for (int64_t i = 0; i < h; ++i) {
+      const bool a = std::isnan(bf16_to_f32(y[tok * h + i]));
+      const bool b = std::isnan(bf16_to_f32(y_ref[tok * h + i]));
+      nan_gpu += a;
+      nan_ref += b;
+      mismatched += a != b;
+    }
+    std::printf("[ nonfinite] token %lld: %lld NaN outputs on the GPU, %lld in the reference\n",
+                static_cast<long long>(tok), static_cast<long long>(nan_gpu), static_cast<long long>(nan_ref));
+    EXPECT_EQ(mismatched, 0) << "token " << tok << ": NaN pattern differs from the reference";
+  }
 }
 
 }  // namespace
