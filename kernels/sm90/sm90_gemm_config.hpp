@@ -58,12 +58,14 @@ struct GemmConfig {
   static constexpr int kMinBlocksPerSM = kMinBlocksPerSM_;
   static constexpr int kBlockK = sm90_layout::kBlockK;
   static constexpr int kWarpgroupThreads = 128;
-  static constexpr int kThreads = kWarpgroupThreads * (kNumMathWG + 1);
 
   // NOTES: setmaxnreg only takes effect with a register cap at entry (1 block per SM); the
   // producer needs few registers, the math warpgroups hold kMBlocksPerWG x kBlockN/2 fp32
-  // accumulators plus two sets of converted A fragments.
+  // accumulators plus the converted A fragments. setmaxnreg works per warpgroup, so with it the
+  // producer is a whole warpgroup; without it (decode: several CTAs per SM) one warp.
   static constexpr bool kUseSetMaxNReg = kMinBlocksPerSM == 1 && kNumMathWG >= 2;
+  static constexpr int kProducerThreads = kUseSetMaxNReg ? kWarpgroupThreads : 32;
+  static constexpr int kThreads = kWarpgroupThreads * kNumMathWG + kProducerThreads;
   static constexpr int kProducerRegs = 40;
   static constexpr int kMathRegs = 232;
 
@@ -96,15 +98,19 @@ struct GemmConfig {
 };
 
 // The configurations that ship (one table; see the launcher for when each is used):
-//   Decode : few rows per expert (T <= ~512 per rank). 1 math warpgroup, 64-row weight tiles,
-//            16 token rows, 16 stages, 2 CTAs per SM: many small tiles so the weight stream
-//            spreads over every SM; 2 CTAs x 16 stages x 2 KiB keep ~64 KiB of weights in flight.
+//   Decode : few rows per expert (T <= ~512 per rank). 1 math warpgroup + 1 producer warp,
+//            64-row weight tiles, 8 (Decode8) or 16 token rows, 10 stages, 4 CTAs per SM: many
+//            small tiles so the weight stream spreads over every SM, and 4 independent
+//            convert -> wgmma -> wait chains per SM keep 4 x 10 x 2 KiB of weights in flight.
+//            NOTES: the first version (2 CTAs/SM x 16 stages, a whole producer warpgroup)
+//            streamed 1.3 TB/s: each CTA's chain is latency-bound (wait_group 0 per stage).
 //   Prefill: many rows per expert. 2 math warpgroups x 2 weight blocks (BLOCK_M 256) x up to
 //            128 token rows, per-tile N rounded to 16; 7 stages of 24.5 KiB.
 // NOTES (rejected): BLOCK_M 128 x BLOCK_N 256 for prefill: at T = 4096 Kimi-K3 averages 73 rows
 // per expert, so a 256-row tile is mostly padding while the B tile is re-read by twice as many
 // weight tiles; 256 x 128 halves that L2 traffic. 3 CTAs/SM for decode costs stages (smem).
-using DecodeConfig = GemmConfig<1, 1, 16, 8, 16, 2>;
+using Decode8Config = GemmConfig<1, 1, 8, 8, 10, 4>;
+using DecodeConfig = GemmConfig<1, 1, 16, 8, 10, 4>;
 using PrefillConfig = GemmConfig<2, 2, 128, 16, 7, 1>;
 
 }  // namespace megamoe::sm90

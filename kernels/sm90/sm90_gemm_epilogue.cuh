@@ -25,12 +25,18 @@ namespace megamoe::sm90 {
 
 constexpr int kChannelsPerGroup = 32;  // requantization group (numerics.md section 5)
 
-template <class Cfg>
+// kKind is the activation, fixed at compile time: apply_activation's switch folds away, so the
+// unrolled element loop holds one activation's code, not three.
+// NOTES: with the switch left at run time the L1 kernel ran at half the speed of L2 per FLOP
+// (measured, prefill Kimi-K3): the unrolled loop x 3 activations blows the instruction cache.
+template <class Cfg, ActivationKind kKind>
 __device__ __forceinline__ void epilogue_l1(const GemmParams& p, const TileInfo& tile, int mblk,
                                             const float (&acc)[Cfg::kBlockN / 2], float* smem_amax,
                                             int wg, int tid) {
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int I = p.intermediate;
+  Activation act = p.activation;
+  act.kind = kKind;
   const int j = mblk * kChannelsPerGroup + warp * 8 + g;
   float bias_gate = 0.0f, bias_up = 0.0f;
   if (p.bias != nullptr) {
@@ -39,9 +45,15 @@ __device__ __forceinline__ void epilogue_l1(const GemmParams& p, const TileInfo&
     bias_up = bf16_to_f32(p.bias[base + I + j]);
   }
   float* amax_wg = smem_amax + wg * 4 * Cfg::kBlockN;
-  // NOTES: v lives in its own registers; writing it back into the accumulators would make ptxas
-  // fence (and serialize) the wgmmas that own them.
-  float vals[Cfg::kBlockN / 4];
+  // v of one element (activation of the bias-added, BF16-rounded gate/up times the row weight).
+  // NOTES: v is computed twice (for the amax, then for the codes) rather than kept: keeping 32
+  // more live registers next to the accumulators spilled, and writing v back into the
+  // accumulators makes ptxas fence (serialize) the wgmmas that own them.
+  auto value = [&](int i, int h, int col) {
+    const float gate = bf16_round(acc[4 * i + h] + bias_gate);
+    const float up = bf16_round(acc[4 * i + 2 + h] + bias_up);
+    return apply_activation(act, gate, up, p.fast_math) * __ldg(p.row_weights + tile.row0 + col);
+  };
 
   // Activation, routing weight, and the per-warp part of the group amax.
 #pragma unroll
@@ -50,14 +62,7 @@ __device__ __forceinline__ void epilogue_l1(const GemmParams& p, const TileInfo&
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col = 8 * i + 2 * t + h;
-        float v = 0.0f;
-        if (col < tile.num_rows) {
-          const float gate = bf16_round(acc[4 * i + h] + bias_gate);
-          const float up = bf16_round(acc[4 * i + 2 + h] + bias_up);
-          v = apply_activation(p.activation, gate, up, p.fast_math) *
-              __ldg(p.row_weights + tile.row0 + col);
-        }
-        vals[2 * i + h] = v;
+        const float v = col < tile.num_rows ? value(i, h, col) : 0.0f;
         float a = fabsf(v);
         a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 4));
         a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 8));
@@ -80,7 +85,7 @@ __device__ __forceinline__ void epilogue_l1(const GemmParams& p, const TileInfo&
 #pragma unroll
           for (int w = 1; w < 4; ++w) amax = fmaxf(amax, amax_wg[w * Cfg::kBlockN + col]);
           const int b = intermediate_scale_exponent(amax);
-          const uint8_t q = e4m3_quantize_scaled(vals[2 * i + h], b);
+          const uint8_t q = e4m3_quantize_scaled(value(i, h, col), b);
           const int64_t row = tile.row0 + col;
           p.h_q[row * I + j] = q;
           p.h_act[row * I + j] = bf16_from_f32(e4m3_to_f32(q) * exp2i(b - kUe8m0Bias));

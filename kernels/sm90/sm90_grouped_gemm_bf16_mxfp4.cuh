@@ -77,7 +77,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   if (wg == Cfg::kNumMathWG) {
     // ================================ producer ================================
     if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (tid != 0) return;
+    if (threadIdx.x != Cfg::kNumMathWG * Cfg::kWarpgroupThreads) return;
     const uint64_t policy = ptx::policy_evict_first();
     int stage = 0;
     uint32_t phase = 0;
@@ -128,7 +128,17 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         if (!valid[sub]) continue;
         const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
         if constexpr (kKind == GemmKind::kL1) {
-          epilogue_l1<Cfg>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+          switch (p.activation.kind) {
+            case ActivationKind::kSwiglu:
+              epilogue_l1<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+              break;
+            case ActivationKind::kSitu:
+              epilogue_l1<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+              break;
+            case ActivationKind::kSwigluOai:
+              epilogue_l1<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+              break;
+          }
         } else {
           epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
         }

@@ -20,6 +20,8 @@ namespace {
 // 64-row weight tiles spread the weight stream over all SMs; above it, the prefill config's
 // 256 x 128 tiles reuse each weight tile for up to 128 rows.
 constexpr int64_t kDecodeMaxAvgRows = 16;
+// At or below 4 average rows, 8-row tiles (half the B bytes per stage; most experts get 1-3 rows).
+constexpr int64_t kDecode8MaxAvgRows = 4;
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -75,7 +77,9 @@ template <GemmKind kKind>
 void launch(const GemmParams& p, int64_t rows_bound, const uint16_t* b_rows, cudaStream_t stream) {
   const int64_t rows = rows_bound > 0 ? std::min<int64_t>(rows_bound, p.max_rows) : p.max_rows;
   const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
-  if (rows / active <= kDecodeMaxAvgRows) {
+  if (rows / active <= kDecode8MaxAvgRows) {
+    launch_config<Decode8Config, kKind>(p, b_rows, stream);
+  } else if (rows / active <= kDecodeMaxAvgRows) {
     launch_config<DecodeConfig, kKind>(p, b_rows, stream);
   } else {
     launch_config<PrefillConfig, kKind>(p, b_rows, stream);
