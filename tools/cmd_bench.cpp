@@ -16,7 +16,7 @@
 //   consecutive prefixes, so launch gaps are charged to the stage that causes them.
 // - Floors (targets.md, "Lower bounds"): weight bytes of the experts the timed calls hit (counted
 //   from the routing, averaged over input sets), t_mem = (weight + activation bytes) / copy
-//   ceiling, t_math = 6 T K H I / GEMM ceiling (BF16 measured here; FP8 from targets.md since
+//   ceiling, t_math = 6 H I x (local slots; T K with EP = 1) / GEMM ceiling (BF16 measured here; FP8 from targets.md since
 //   this build does not measure it), floor = max(t_mem, t_math_bf16) for the exact BF16 path.
 // - Output: a table on stdout and JSON lines (--json FILE, appended) with the GPU name, clocks,
 //   driver, CUDA version and git revision.
@@ -382,6 +382,7 @@ int run_bench(const BenchOptions& o) {
           (l2_rotation_bytes + set_bytes - 1) / set_bytes, kMinInputSets, kMaxInputSets));
       std::vector<InputSet> sets(static_cast<size_t>(num_sets));
       double experts_hit = 0;
+      double local_slots = 0;  // routed (token, slot) pairs of this rank: the GEMMs' rows
       for (int i = 0; i < num_sets; ++i) {
         const uint64_t seed = o.seed * 7919 + static_cast<uint64_t>(tokens) * 131 + i;
         const auto x = activations_parallel(tokens, s.hidden, seed);
@@ -394,8 +395,13 @@ int run_bench(const BenchOptions& o) {
         copy_bytes(in.idx.data(), in.idx.device(), r.topk_idx.data(), Device::cpu(), in.idx.size());
         copy_bytes(in.w.data(), in.w.device(), r.topk_weights.data(), Device::cpu(), in.w.size());
         std::set<int32_t> hit;
+        int64_t slots_here = 0;
         for (int32_t id : r.topk_idx)
-          if (id >= config.first_local_expert() && id < config.first_local_expert() + el) hit.insert(id);
+          if (id >= config.first_local_expert() && id < config.first_local_expert() + el) {
+            hit.insert(id);
+            ++slots_here;
+          }
+        local_slots += static_cast<double>(slots_here) / num_sets;
         in.experts_hit = static_cast<int64_t>(hit.size());
         experts_hit += static_cast<double>(hit.size()) / num_sets;
       }
@@ -423,7 +429,8 @@ int run_bench(const BenchOptions& o) {
       layers[0]->check_errors(stream);
 
       // ---- floors ----
-      const double flops = 6.0 * tokens * s.top_k * s.hidden * s.intermediate;
+      // Routed work of this rank: 6 H I per local slot (= 6 T K H I with EP = 1, targets.md).
+      const double flops = 6.0 * local_slots * s.hidden * s.intermediate;
       const double wbytes = experts_hit * bytes_per_expert;
       const double abytes = 2.0 * tokens * s.hidden * 2 + tokens * s.top_k * 8.0;
       const double t_mem = (wbytes + abytes) / (ceil.copy_tbs * 1e12) * 1e6;
@@ -469,6 +476,7 @@ int run_bench(const BenchOptions& o) {
         j["tflops"] = tflops;
         j["weight_gbs"] = wgbs;
         j["experts_hit"] = experts_hit;
+        j["local_slots"] = local_slots;
         j["weight_bytes_hit"] = wbytes;
         j["t_mem_us"] = t_mem;
         j["t_math_bf16_us"] = t_bf16;
