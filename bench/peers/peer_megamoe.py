@@ -21,6 +21,7 @@ class MegamoePython:
     description = 'megamoe.MoELayer (sm90 backend) via import megamoe, on the peers\' exact inputs'
     graphable = True
     capacity = 8192
+    backend = 'sm90'      # selftest.py runs the same adapter on megamoe's 'cpu' backend
 
     def __init__(self, shape: Shape, weights: MxWeights):
         import megamoe
@@ -29,7 +30,7 @@ class MegamoePython:
                                      max_tokens_per_rank=self.capacity)
         mw = megamoe.MoeWeights.from_arrays(weights.w13, weights.w13_sf, weights.w2, weights.w2_sf, 0,
                                             weights.w13_bias, weights.w2_bias)
-        self.layer = megamoe.MoELayer(config, mw, backend='sm90')
+        self.layer = megamoe.MoELayer(config, mw, backend=self.backend)
         self.fast_math = bool(config.fast_math)
         self.hidden = shape.hidden
         self._bytes = int(self.layer.weights_bytes)

@@ -153,12 +153,31 @@ def test_against_megamoe_cpu_reference():
         check(torch.equal(y_core, y_mine), f'{name} ({shape.activation}): reference.py == megamoe CPU reference, bit for bit')
 
 
+def test_megamoe_adapter_on_cpu():
+    """The megamoe-py adapter's use of the Python API, on megamoe's CPU backend."""
+    try:
+        import megamoe  # noqa: F401
+    except Exception as exc:
+        print(f'skip megamoe-py adapter check: {type(exc).__name__}: {exc}')
+        return
+    from peer_megamoe import MegamoePython
+    MegamoePython.backend = 'cpu'
+    shape = common.SHAPES['small']
+    w = common.synthetic_weights(shape, 3, 'cpu')
+    inp = common.make_inputs(shape, 9, 2, 'cpu')
+    y = MegamoePython(shape, w).build(inp)()
+    con = reference.contract_forward(shape, w, inp.x, inp.topk_idx, inp.topk_weights)
+    c = common.compare(y, con, inp.topk_idx)
+    check(c['diff'] < 1e-6, f'megamoe-py adapter (cpu backend) vs contract diff {c["diff"]:.1e}')
+
+
 def main() -> int:
     torch.manual_seed(0)
     test_quantizers()
     test_reference_and_torch_chain()
     test_deepgemm_glue()
     test_against_megamoe_cpu_reference()
+    test_megamoe_adapter_on_cpu()
     print(f'{len(FAILURES)} failed' if FAILURES else 'all passed')
     return 1 if FAILURES else 0
 
