@@ -44,10 +44,14 @@ void print_prepared(const Checkpoint& ckpt) {
   const auto& meta = f.metadata();
   const auto fmt = meta.find("megamoe.format");
   if (fmt == meta.end() || fmt->second != kPreparedFormat) return;
+  auto get = [&](const char* key) {
+    const auto it = meta.find(key);
+    return it == meta.end() ? std::string("?") : it->second;
+  };
   std::printf("prepared checkpoint (%s): layout '%s', backend '%s', EP rank %s of %s, from %s\n",
-              kPreparedFormat, meta.at("megamoe.layout").c_str(), meta.at("megamoe.backend").c_str(),
-              meta.at("megamoe.ep_rank").c_str(), meta.at("megamoe.ep_size").c_str(),
-              meta.at("megamoe.source").c_str());
+              kPreparedFormat, get("megamoe.layout").c_str(), get("megamoe.backend").c_str(),
+              get("megamoe.ep_rank").c_str(), get("megamoe.ep_size").c_str(),
+              get("megamoe.source").c_str());
   for (const std::string& prefix : prepared_layer_prefixes(f)) {
     const MoeWeights w = load_prepared_layer(f, prefix);
     std::printf("  %s: E_l = %lld (experts %lld..%lld), H = %lld, I = %lld, bias %s\n", prefix.c_str(),

@@ -164,6 +164,8 @@ class Checkpoint {
   // must sit in the index's directory (no absolute paths, no ".."); every weight_map entry must
   // name a tensor that exists in that shard; a tensor present in two shards is an error.
   static Checkpoint open(const std::string& path);
+  // A checkpoint of one already opened or parsed file (in-memory images, the fuzzer, bindings).
+  static Checkpoint from_file(SafetensorsFile file);
 
   struct TensorRef {
     const SafetensorsFile* file = nullptr;

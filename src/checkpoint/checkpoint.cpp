@@ -131,6 +131,15 @@ Checkpoint Checkpoint::open(const std::string& path) {
   return ckpt;
 }
 
+Checkpoint Checkpoint::from_file(SafetensorsFile file) {
+  Checkpoint ckpt;
+  ckpt.path_ = file.path();
+  ckpt.files_.push_back(std::move(file));
+  const SafetensorsFile& f = ckpt.files_.front();
+  for (const TensorInfo& t : f.tensors()) ckpt.tensors_.emplace(t.name, TensorRef{&f, &t});
+  return ckpt;
+}
+
 int64_t Checkpoint::total_bytes() const {
   int64_t total = 0;
   for (const auto& f : files_) total += f.file_bytes();

@@ -226,6 +226,8 @@ void check_weights_layout(const MoeWeights& w) {
   check_dims_basic(w);
   const WeightLayout& layout = find_layout(w.layout);
   const ExpertDims dims = dims_of(w);
+  // Weights claiming a layout must have dims that layout can hold: its inverse relies on it.
+  if (layout.check_dims != nullptr) layout.check_dims(dims);
   MEGAMOE_CHECK_ARG(w.w13_bias.empty() == w.w2_bias.empty(),
                     "weights: w13_bias and w2_bias must both be present or both be empty (got ",
                     w.w13_bias.size(), " and ", w.w2_bias.size(), " bytes)");

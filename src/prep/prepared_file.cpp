@@ -26,6 +26,7 @@ constexpr const char* kKeyLayers = "megamoe.layers";
 // Root list (0) -> layer objects (1) -> their values (2).
 constexpr int kMaxLayersJsonDepth = 2;
 constexpr int64_t kBf16Bytes = 2;
+constexpr int64_t kMaxPreparedDim = int64_t{1} << 20;  // bound for E_l, H, I read from metadata
 
 // Buffers in file order: uint8 ones first, BF16 biases last (keeps every tensor aligned).
 constexpr WeightBufferKind kFileOrder[kNumWeightBuffers] = {
@@ -96,15 +97,22 @@ std::vector<LayerMeta> read_layers_meta(const SafetensorsFile& file) {
   std::vector<LayerMeta> out;
   for (const json& j : list) {
     LayerMeta m;
+    // Integers must be JSON integers (a float such as 1e300 would not convert safely).
+    auto integer = [&](const char* key) {
+      const json& v = j.at(key);
+      MEGAMOE_CHECK(v.is_number_integer(), ErrorCode::kFormat, file.path(), ": ", kKeyLayers,
+                    " field '", key, "' must be an integer, got ", v.type_name());
+      return v.get<int64_t>();
+    };
     try {
       m.prefix = j.at("prefix").get<std::string>();
-      m.layer_index = j.at("layer_index").get<int64_t>();
+      m.layer_index = integer("layer_index");
       m.convention = j.at("convention").get<std::string>();
-      m.num_experts = j.at("num_experts").get<int64_t>();
-      m.first_expert = j.at("first_expert").get<int64_t>();
-      m.num_local_experts = j.at("num_local_experts").get<int64_t>();
-      m.hidden = j.at("hidden").get<int64_t>();
-      m.intermediate = j.at("intermediate").get<int64_t>();
+      m.num_experts = integer("num_experts");
+      m.first_expert = integer("first_expert");
+      m.num_local_experts = integer("num_local_experts");
+      m.hidden = integer("hidden");
+      m.intermediate = integer("intermediate");
       m.bias = j.at("bias").get<bool>();
     } catch (const json::exception& e) {
       fail(ErrorCode::kFormat, file.path(), ": ", kKeyLayers, " entry is malformed (", e.what(), ")");
@@ -222,7 +230,10 @@ MoeWeights load_prepared_layer(const SafetensorsFile& file, std::string_view pre
   for (const auto& x : metas)
     if (x.prefix == prefix) m = &x;
   MEGAMOE_CHECK_ARG(m != nullptr, file.path(), ": no prepared layer ", detail::quote_name(prefix));
-  const std::string& layout_name = file.metadata().at(kKeyLayout);
+  const auto layout_it = file.metadata().find(kKeyLayout);
+  MEGAMOE_CHECK(layout_it != file.metadata().end(), ErrorCode::kFormat, file.path(),
+                ": metadata lacks ", kKeyLayout);
+  const std::string& layout_name = layout_it->second;
   const WeightLayout& layout = find_layout(layout_name);
   MoeWeights w;
   w.num_local_experts = m->num_local_experts;
@@ -230,9 +241,15 @@ MoeWeights load_prepared_layer(const SafetensorsFile& file, std::string_view pre
   w.hidden = m->hidden;
   w.intermediate = m->intermediate;
   w.layout = layout_name;
-  MEGAMOE_CHECK(w.num_local_experts > 0 && w.hidden > 0 && w.hidden % kScaleBlock == 0 &&
-                    w.intermediate > 0 && w.intermediate % kScaleBlock == 0,
-                ErrorCode::kFormat, file.path(), ": layer ", detail::quote_name(prefix),
+  // The metadata is untrusted: bound the dimensions before any size is computed from them.
+  int64_t expert_elements = 0, layer_elements = 0;
+  const bool sane = w.num_local_experts > 0 && w.hidden > 0 && w.hidden % kScaleBlock == 0 &&
+                    w.intermediate > 0 && w.intermediate % kScaleBlock == 0 &&
+                    w.hidden <= kMaxPreparedDim && w.intermediate <= kMaxPreparedDim &&
+                    w.num_local_experts <= kMaxPreparedDim &&
+                    !__builtin_mul_overflow(w.hidden, w.intermediate, &expert_elements) &&
+                    !__builtin_mul_overflow(expert_elements, w.num_local_experts, &layer_elements);
+  MEGAMOE_CHECK(sane, ErrorCode::kFormat, file.path(), ": layer ", detail::quote_name(prefix),
                 ": bad dimensions E_l = ", w.num_local_experts, ", H = ", w.hidden, ", I = ",
                 w.intermediate);
   const ExpertDims dims{w.hidden, w.intermediate};

@@ -144,6 +144,59 @@ TEST(PreparedCheckpoint, BadRequestsFailBeforeWriting) {
                            {"not a megamoe prepared checkpoint"}));
 }
 
+TEST(PreparedCheckpoint, MalformedPreparedFilesAreRejected) {
+  // Regression (fuzz_safetensors, crash-c2976f91): a prepared-format file without megamoe.layout
+  // threw std::out_of_range instead of a megamoe::Error.
+  TempDir dir;
+  const Checkpoint ckpt = Checkpoint::open(write_kimi(dir, 1));
+  const std::string good = dir.file("good.safetensors");
+  write_prepared_checkpoint(ckpt, good, {});
+  const SafetensorsFile g = SafetensorsFile::open(good);
+  const std::string layers = g.metadata().at("megamoe.layers");
+  struct Case {
+    const char* kind;
+    std::function<void(std::map<std::string, std::string>&, bool& drop_w2)> edit;
+    std::vector<std::string> parts;
+  };
+  auto replace = [](std::string s, const std::string& from, const std::string& to) {
+    return s.replace(s.find(from), from.size(), to);
+  };
+  const std::vector<Case> cases = {
+      {"missing_layout", [](auto& m, bool&) { m.erase("megamoe.layout"); }, {"metadata lacks megamoe.layout"}},
+      {"unknown_layout", [](auto& m, bool&) { m["megamoe.layout"] = "marlin"; }, {"layout 'marlin' is not registered"}},
+      {"wrong_format", [](auto& m, bool&) { m["megamoe.format"] = "other/2"; }, {"not a megamoe prepared checkpoint", "'other/2'"}},
+      {"layers_not_list", [](auto& m, bool&) { m["megamoe.layers"] = "{}"; }, {"megamoe.layers must be a JSON list"}},
+      {"layers_bad_json", [](auto& m, bool&) { m["megamoe.layers"] = "[{"; }, {"megamoe.layers is not valid JSON"}},
+      {"float_dim", [&](auto& m, bool&) { m["megamoe.layers"] = replace(layers, "\"hidden\":256", "\"hidden\":1e300"); },
+       {"field 'hidden' must be an integer"}},
+      {"huge_dims", [&](auto& m, bool&) { m["megamoe.layers"] = replace(layers, "\"hidden\":256", "\"hidden\":4611686018427387904"); },
+       {"bad dimensions"}},
+      {"missing_field", [&](auto& m, bool&) { m["megamoe.layers"] = replace(layers, "\"bias\":false", "\"bias_\":false"); },
+       {"megamoe.layers entry is malformed"}},
+      {"dims_disagree_with_tensors", [&](auto& m, bool&) { m["megamoe.layers"] = replace(layers, "\"intermediate\":128", "\"intermediate\":64"); },
+       {".experts.w13'", "expected U8[8, 128, 128] for layout 'canonical', got U8[8, 256, 128]"}},
+      {"missing_tensor", [](auto&, bool& drop) { drop = true; }, {".experts.w2'", "not found"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.kind);
+    SafetensorsWriter w;
+    std::map<std::string, std::string> meta = g.metadata();
+    bool drop_w2 = false;
+    c.edit(meta, drop_w2);
+    for (const auto& [k, v] : meta) w.set_metadata(k, v);
+    for (const TensorInfo& t : g.tensors()) {
+      if (drop_w2 && t.name == prefix_of(0) + ".experts.w2") continue;
+      w.add(t.name, t.dtype, t.shape, g.data(t));
+    }
+    const std::string path = dir.file(std::string(c.kind) + ".safetensors");
+    w.write(path);
+    const SafetensorsFile f = SafetensorsFile::open(path);
+    std::vector<std::string> parts = c.parts;
+    const ErrorCode code = std::string(c.kind) == "unknown_layout" ? ErrorCode::kInvalidArgument : ErrorCode::kFormat;
+    EXPECT_TRUE(throws_error([&] { load_prepared_layer(f, prefix_of(0)); }, code, parts));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Inspection statistics
 // ---------------------------------------------------------------------------------------------

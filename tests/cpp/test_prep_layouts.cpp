@@ -347,6 +347,32 @@ TEST(PrepErrors, BadRequestsAreRejectedAndChangeNothing) {
   EXPECT_TRUE(weights_equal(w, original));
 }
 
+TEST(PrepErrors, WeightsLabelledWithALayoutThatCannotHoldTheirDimsAreRefused) {
+  // Regression (fuzz_prepare, crash-3a56572e): weights labelled "sm90" with H = 224, I = 160
+  // were unprepared without the source layout's dimension check, and the sm90 inverse read out
+  // of bounds. Every layout's check_dims now runs for the layout the weights claim to be in.
+  for (const std::string& name : layout_names()) {
+    const auto check = find_layout(name).check_dims;
+    if (check == nullptr) continue;
+    SCOPED_TRACE(name);
+    for (const auto& [h, i] : {std::pair<int64_t, int64_t>{224, 160}, {96, 64}, {160, 32}}) {
+      bool served = true;
+      try {
+        check({h, i});
+      } catch (const Error&) {
+        served = false;
+      }
+      if (served) continue;
+      MoeWeights w = random_weights(3, 0, h, i, true, 6);
+      w.layout = name;
+      const MoeWeights before = clone(w);
+      EXPECT_TRUE(throws_error([&] { unprepare(w); }, ErrorCode::kUnsupported, {}));
+      EXPECT_TRUE(throws_error([&] { prepare(w, "blackwell-interop"); }, ErrorCode::kUnsupported, {}));
+      EXPECT_TRUE(weights_equal(w, before));
+    }
+  }
+}
+
 TEST(PrepErrors, RegisteringAnInconsistentLayoutFails) {
   WeightLayout l;
   l.name = "canonical";
