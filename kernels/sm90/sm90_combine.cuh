@@ -18,7 +18,7 @@ namespace megamoe::sm90 {
 constexpr int kCombineVec = 8;
 constexpr int kCombineBlockThreads = 256;
 
-constexpr int kCombineBatch = 4;  // slots whose rows are loaded before any is added
+constexpr int kCombineBatch = 8;  // slots whose rows are loaded before any is added
 
 // The launcher guarantees T * H / kCombineVec < 2^32 (32-bit item indices).
 // NOTES: the rows of kCombineBatch slots are loaded before the first add (independent loads in

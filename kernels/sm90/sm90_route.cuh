@@ -36,7 +36,6 @@
 
 namespace megamoe::sm90 {
 
-constexpr int kRouteUnroll = 8;  // 32-slot chunks whose ids a warp loads before using them
 
 // Local expert of id `id` (read from slot `slot`), or -1. With kRecord, records invalid ids.
 template <bool kRecord>

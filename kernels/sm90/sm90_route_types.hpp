@@ -9,6 +9,7 @@ namespace megamoe::sm90 {
 
 constexpr int kRouteMaxWarps = 32;
 constexpr int kRouteWarpSize = 32;
+constexpr int kRouteUnroll = 8;  // 32-slot chunks whose ids a warp loads before using them
 constexpr unsigned long long kRouteNoError = ~0ull;
 
 struct RouteError {

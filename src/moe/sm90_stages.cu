@@ -86,7 +86,13 @@ void launch_route(const RouteParams& params, cudaStream_t stream) {
                     "route: local experts [", params.first_local, ", ",
                     params.first_local + params.num_local, ") do not lie in [0, ",
                     params.num_experts, ")");
-  const int num_warps = route_num_warps(params.num_local);
+  // NOTES: the result does not depend on the warp count (a stable sort is unique), so small
+  // calls use fewer warps: at T = 1 the zeroing and scan of 32 histograms of 896 experts were
+  // most of the kernel's time. One warp per kRouteUnroll chunks of 32 slots, at most the limit
+  // the shared memory allows.
+  const int64_t slots_per_warp = int64_t{kRouteWarpSize} * kRouteUnroll;
+  const int num_warps = static_cast<int>(std::clamp<int64_t>(
+      (params.num_slots + slots_per_warp - 1) / slots_per_warp, 1, route_num_warps(params.num_local)));
   const size_t smem = static_cast<size_t>(num_warps) * params.num_local * sizeof(int32_t);
   configure_route_smem(smem);
   sm90_route_topk_kernel<<<1, kRouteMaxWarps * kRouteWarpSize, smem, stream>>>(params, num_warps);
