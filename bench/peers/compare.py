@@ -386,6 +386,16 @@ def make_table(records, shapes, tokens) -> str:
                                  f"{fmt(r.get('median_us'), '.1f')} | {fmt(r.get('min_us'), '.1f')} | "
                                  f"{fmt(r.get('tflops'), '.1f')} | {fmt(fl, '.1f')} | {fmt(r.get('fraction_of_floor'), '.2f')} | "
                                  f"{ratio} | {check} | {status} |")
+                    if ok and r.get('gemms_only_median_us'):
+                        g_us = r['gemms_only_median_us']
+                        g_ratio = '-'
+                        if sysname in PEERS and m:
+                            g_ratio = f"{m[0] / g_us:.2f}" + ('' if m[1] == MEGAMOE_PY else ' (bench)')
+                        g_tflops = effective_tflops(SHAPES[s], t, g_us)
+                        lines.append(f"| {s} | {t} | {r.get('routing', 'uniform')} | {sysname} [GEMMs only] | "
+                                     f"{g_us:.1f} | {fmt(r.get('gemms_only_min_us'), '.1f')} | {g_tflops:.1f} | "
+                                     f"{fl:.1f} | {fl / g_us:.2f} | {g_ratio} | - | lower bound: its GEMM kernels "
+                                     f"alone, glue left out (not a layer) |")
     return '\n'.join(lines)
 
 
@@ -402,13 +412,15 @@ def make_plot(records, shapes, tokens, path) -> str:
         series = {}
         for r in records:
             if r.get('shape') == s and r.get('status') == 'ok' and r.get('check', 'pass') == 'pass':
+                if r.get('gemms_only_median_us'):
+                    series.setdefault(r['system'] + ' [GEMMs only]', []).append((r['tokens'], r['gemms_only_median_us']))
                 key = r['system'] + ('' if r.get('routing', 'uniform') == 'uniform' else f" ({r['routing']})")
                 if r['system'] == MEGAMOE and not r.get('same_workload_as_peers', True):
                     key += f" [bench: EP{r.get('ep_size')} rank-0 share]"
                 series.setdefault(key, []).append((r['tokens'], r['median_us']))
         for key, pts in sorted(series.items()):
             pts.sort()
-            style = ':' if '(' in key else '-'
+            style = ':' if '(' in key else '--' if 'GEMMs only' in key else '-'
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker='o', label=key)
         ax.set_xscale('log')
         ax.set_yscale('log')

@@ -129,13 +129,28 @@ class DeepGemmFp8Chain:
         hq_sf = torch.ones((rows, i // DG_BLOCK), dtype=torch.float32, device=dev)
         d2 = torch.zeros((rows, h), dtype=torch.bfloat16, device=dev)
         layout = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        counts = torch.zeros(e_count, dtype=torch.int32, device=dev)
         expected_m = max(1, -(-s_count // e_count))
+
+        def gemm1():
+            if masked:
+                dg.m_grouped_fp8_gemm_nt_masked((a.view(e_count, max_m, h), a_sf.view(e_count, max_m, -1)),
+                                                self.l1, d1.view(e_count, max_m, 2 * i), counts, expected_m)
+            else:
+                dg.m_grouped_fp8_gemm_nt_contiguous((a, a_sf), self.l1, d1, layout)
+
+        def gemm2():
+            if masked:
+                dg.m_grouped_fp8_gemm_nt_masked((hq.view(e_count, max_m, i), hq_sf.view(e_count, max_m, -1)),
+                                                self.l2, d2.view(e_count, max_m, h), counts, expected_m)
+            else:
+                dg.m_grouped_fp8_gemm_nt_contiguous((hq, hq_sf), self.l2, d2, layout)
 
         def run() -> torch.Tensor:
             flat = inp.topk_idx.flatten()
             order = torch.argsort(flat, stable=True)
             e_sorted = flat[order].long()
-            counts = torch.zeros(e_count, dtype=torch.int32, device=dev)
+            counts.zero_()
             counts.scatter_add_(0, flat.long(), ones)
             starts = torch.cumsum(counts, 0) - counts
             pos = arange_s - starts[e_sorted]
@@ -150,26 +165,26 @@ class DeepGemmFp8Chain:
             tok = order // k
             a.view(torch.uint8).index_copy_(0, dest, xq.view(torch.uint8).index_select(0, tok))
             a_sf.index_copy_(0, dest, xsf.index_select(0, tok))
-            if masked:
-                dg.m_grouped_fp8_gemm_nt_masked((a.view(e_count, max_m, h), a_sf.view(e_count, max_m, -1)),
-                                                self.l1, d1.view(e_count, max_m, 2 * i), counts, expected_m)
-            else:
-                dg.m_grouped_fp8_gemm_nt_contiguous((a, a_sf), self.l1, d1, layout)
+            gemm1()
             l1 = d1.index_select(0, dest)
             v = activation(shape, l1[:, :i].float(), l1[:, i:].float())
             v = v * inp.topk_weights.flatten()[order].unsqueeze(1)
             vq, vsf = token_quant_fp8(v)
             hq.view(torch.uint8).index_copy_(0, dest, vq.view(torch.uint8))
             hq_sf.index_copy_(0, dest, vsf)
-            if masked:
-                dg.m_grouped_fp8_gemm_nt_masked((hq.view(e_count, max_m, i), hq_sf.view(e_count, max_m, -1)),
-                                                self.l2, d2.view(e_count, max_m, h), counts, expected_m)
-            else:
-                dg.m_grouped_fp8_gemm_nt_contiguous((hq, hq_sf), self.l2, d2, layout)
+            gemm2()
             slots = torch.empty((s_count, h), dtype=torch.bfloat16, device=dev)
             slots.index_copy_(0, order, d2.index_select(0, dest))
             return slots.view(t_count, k, h).float().sum(1).to(torch.bfloat16)
 
+        def gemms_only() -> torch.Tensor:
+            """The two grouped GEMMs alone, on the buffers the last run() filled: what the chain
+            would cost with free glue (a lower bound for a DeepGEMM-based stack, not a layer)."""
+            gemm1()
+            gemm2()
+            return d2
+
+        run.gemms_only = gemms_only
         return run
 
 

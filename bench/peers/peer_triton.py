@@ -90,6 +90,8 @@ class TritonMatmulOgs:
         dev = inp.x.device
         ones = torch.ones(s_count, dtype=torch.int32, device=dev)
 
+        state = {}
+
         def run() -> torch.Tensor:
             flat = inp.topk_idx.flatten()
             topk_indx = torch.argsort(flat, stable=True).to(torch.int32)     # sorted row -> slot
@@ -106,9 +108,22 @@ class TritonMatmulOgs:
                                  precision_config=self.pc13)
             l1 = l1.view(s_count, 2 * i)
             v = activation(shape, l1[:, :i].float(), l1[:, i:].float()) * gate_scal.unsqueeze(1)
+            v = v.to(torch.bfloat16)
+            state.update(routing=routing, gather=gather, scatter=scatter, gate_scal=gate_scal, v=v)
+            return l2(v, routing, scatter, gate_scal)
+
+        def l2(v, routing, scatter, gate_scal) -> torch.Tensor:
             # betas scale the bias per row: the L2 bias is weighted like the rest of the output.
-            y = k['matmul_ogs'](v.to(torch.bfloat16), self.w2, self.b2, routing, scatter_indx=scatter,
+            y = k['matmul_ogs'](v, self.w2, self.b2, routing, scatter_indx=scatter,
                                 precision_config=self.pc2, betas=None if self.b2 is None else gate_scal)
             return y.view(t_count, shape.hidden)
 
+        def gemms_only() -> torch.Tensor:
+            """The two matmul_ogs calls alone, on the routing and intermediate of the last eager
+            run(): the chain with free glue (a lower bound, not a layer)."""
+            k['matmul_ogs'](inp.x, self.w13, self.b13, state['routing'], gather_indx=state['gather'],
+                            precision_config=self.pc13)
+            return l2(state['v'], state['routing'], state['scatter'], state['gate_scal'])
+
+        run.gemms_only = gemms_only
         return run

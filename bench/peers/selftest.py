@@ -120,7 +120,10 @@ def test_deepgemm_glue():
     for t in (1, 5, 64, 200):
         inp = common.make_inputs(shape, t, 6 + t, 'cpu')
         ideal = reference.ideal_forward(shape, w, inp.x, inp.topk_idx, inp.topk_weights)
-        y = peer.build(inp)()
+        run = peer.build(inp)
+        y = run()
+        d2 = run.gemms_only()      # the GEMMs again on the buffers run() left: must not fail
+        check(bool(torch.isfinite(d2.float()).any()), f'deepgemm glue T={t}: gemms_only() runs on the filled buffers')
         c = common.compare(y, ideal, inp.topk_idx)
         check(not c['nan'] and c['diff'] < 1e-2,
               f'deepgemm glue ({peer.layout_for(t)}, T={t}) vs FP64 ideal diff {c["diff"]:.2e}')

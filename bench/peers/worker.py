@@ -88,6 +88,7 @@ def run_point(peer, shape, weights, num_tokens: int, point_budget_s: float, chec
     if hasattr(peer, 'layout_for'):
         rec['layout'] = peer.layout_for(num_tokens)
     runs = [peer.build(inp) for inp in inputs]
+    eager_runs = list(runs)
     t0 = time.time()
     y = runs[0]().clone()          # first call: JIT compiles happen here
     torch.cuda.synchronize()
@@ -110,6 +111,19 @@ def run_point(peer, shape, weights, num_tokens: int, point_budget_s: float, chec
     est = common.time_runs(runs, warmup=1, iters=2)['median_us']
     iters = common.iterations_for(est, point_budget_s)
     rec.update(common.time_runs(runs, warmup=3, iters=iters))
+    if all(hasattr(r, 'gemms_only') for r in eager_runs):
+        # The peer's GEMM kernels alone (glue left out): a lower bound for a stack built on them.
+        try:
+            parts = []
+            for r in eager_runs:
+                r()                      # eager: leaves the buffers / routing the GEMMs read
+                parts.append(common.GraphRunner(r.gemms_only) if mode == 'cuda_graph' else r.gemms_only)
+            g = common.time_runs(parts, warmup=3, iters=iters)
+            rec['gemms_only_median_us'] = g['median_us']
+            rec['gemms_only_min_us'] = g['min_us']
+        except Exception as exc:
+            rec['gemms_only_error'] = f'{type(exc).__name__}: {exc}'[:300]
+            torch.cuda.synchronize()
     rec['tflops'] = effective_tflops(shape, num_tokens, rec['median_us'])
     fl = floors(shape, num_tokens)
     rec['floor_us'] = fl['floor_us']
