@@ -118,11 +118,12 @@ int run(const RunOptions& o) {
   MoeLayer layer(cfg, std::move(weights), chosen);
   const double layer_s = seconds_since(t_layer);
   const Device dev = layer.device();
-  DeviceCopy d_x(x.data(), T * H * 2, dev);
-  DeviceCopy d_idx(routing.topk_idx.data(), T * K * 4, dev);
-  DeviceCopy d_w(routing.topk_weights.data(), T * K * 4, dev);
+  const int64_t x_bytes = T * H * dtype_bytes(DType::kBF16);
+  DeviceCopy d_x(x.data(), x_bytes, dev);
+  DeviceCopy d_idx(routing.topk_idx.data(), T * K * dtype_bytes(DType::kI32), dev);
+  DeviceCopy d_w(routing.topk_weights.data(), T * K * dtype_bytes(DType::kF32), dev);
   std::vector<uint16_t> y(static_cast<size_t>(T * H));
-  Buffer y_dev = dev.type == DeviceType::kCPU ? Buffer() : Buffer(T * H * 2, dev);
+  Buffer y_dev = dev.type == DeviceType::kCPU ? Buffer() : Buffer(x_bytes, dev);
   void* y_ptr = dev.type == DeviceType::kCPU ? static_cast<void*>(y.data()) : y_dev.data();
 
   // NOTES: each timed call is forward + copying y to the host, which also waits for a GPU
@@ -134,7 +135,7 @@ int run(const RunOptions& o) {
                   TensorView::contiguous(d_idx.ptr, DType::kI32, {T, K}, dev),
                   TensorView::contiguous(d_w.ptr, DType::kF32, {T, K}, dev),
                   TensorView::contiguous(y_ptr, DType::kBF16, {T, H}, dev));
-    if (dev.type != DeviceType::kCPU) copy_bytes(y.data(), Device::cpu(), y_ptr, dev, T * H * 2);
+    if (dev.type != DeviceType::kCPU) copy_bytes(y.data(), Device::cpu(), y_ptr, dev, x_bytes);
     if (i >= o.warmup) times.push_back(seconds_since(t0));
   }
   std::vector<double> sorted = times;
