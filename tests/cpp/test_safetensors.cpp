@@ -71,7 +71,7 @@ TEST(Safetensors, RoundTripEveryDtypeWithMetadata) {
     EXPECT_EQ(t.dtype, cases[i].dtype) << cases[i].name;
     EXPECT_EQ(t.shape, cases[i].shape) << cases[i].name;
     ASSERT_EQ(t.nbytes(), static_cast<int64_t>(data[i].size())) << cases[i].name;
-    EXPECT_EQ(std::memcmp(f.data(t), data[i].data(), data[i].size()), 0) << cases[i].name;
+    if (!data[i].empty()) EXPECT_EQ(std::memcmp(f.data(t), data[i].data(), data[i].size()), 0) << cases[i].name;
   }
   EXPECT_EQ(f.find("missing"), nullptr);
   EXPECT_TRUE(throws_error([&] { f.get("missing"); }, ErrorCode::kFormat, {path, "'missing'", "not found"}));
