@@ -49,6 +49,10 @@
 //     DeepSeek-V3 shapes.
 // For weights on a CUDA device the same driver runs with a device scratch and calls the
 // *_device functions; a layout without them cannot prepare device weights (kUnsupported).
+// Device transforms are launched on PrepareOptions::stream; the driver's scratch copies use
+// copy_bytes (cudaMemcpy, legacy default stream), so `stream` must be a blocking stream or
+// nullptr for the copies and transforms to stay ordered. The last transform may still be running
+// when prepare() returns: synchronize `stream` before reading the weights on another stream.
 // No second copy of the layer is ever held; tests/cpp/test_prep_memory.cpp measures it.
 //
 // Registering: layouts in src/prep/ are built in (canonical, blackwell-interop, and sm90 when
