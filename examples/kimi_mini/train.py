@@ -34,6 +34,7 @@ kBatchSeedStride = 1_000_003
 kRouterBiasStep = 1e-3     # aux-loss-free balancing: bias += step * sign(mean load - load)
 kWarmupSteps = 100
 kMinLrFraction = 0.05
+kHardStopFactor = 1.15   # training stops at this multiple of --time-budget whatever the plan
 kPrefetch = 32           # batches generated ahead of the training loop
 kMaxNewTokens = 80         # longest answer is about 60 characters
 
@@ -287,8 +288,9 @@ def main():
             log["loss"].append((step, round(lv, 5)))
             print(f"step {step}/{total} loss {lv:.4f} lr {lr:.2e} t {time.time() - t0:.0f}s",
                   flush=True)
-        if total is None and time.time() - t0 > args.time_budget:  # safety for tiny budgets
-            total = step
+        if time.time() - t0 > kHardStopFactor * args.time_budget:  # never overrun the lease
+            print(f"time budget exceeded at step {step}: stopping", flush=True)
+            break
     if pool is not None:
         pool.terminate()
     log["steps"] = step
@@ -296,6 +298,13 @@ def main():
     log["batch_size"] = args.batch_size
     log["seed"] = args.seed
 
+    os.makedirs(args.out, exist_ok=True)
+    from safetensors.torch import save_file
+    tensors = export_tensors(model)
+    save_file(tensors, os.path.join(args.out, "model.safetensors"),
+              metadata={"format": "pt", "producer": "megamoe examples/kimi_mini/train.py"})
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(export_config(cfg), f, indent=1)
     # ---- evaluation on the held-out set: served MXFP4 experts and unquantized BF16 experts ----
     probs = heldout[:args.eval_limit]
     loads = [m.gate.e_score_correction_bias.abs().max().item() for m in model.moe_layers()]
@@ -313,15 +322,9 @@ def main():
             wrong = [(p.question, a, p.final) for p, a in zip(probs, answers)
                      if task.final_answer(a) != p.final]
             log["mxfp4_wrong"] = wrong[:20]
+            log["mxfp4_answers"] = answers
     log["heldout_accuracy"] = results
 
-    os.makedirs(args.out, exist_ok=True)
-    from safetensors.torch import save_file
-    tensors = export_tensors(model)
-    save_file(tensors, os.path.join(args.out, "model.safetensors"),
-              metadata={"format": "pt", "producer": "megamoe examples/kimi_mini/train.py"})
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(export_config(cfg), f, indent=1)
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump(log, f, indent=1)
     size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
