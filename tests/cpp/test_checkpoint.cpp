@@ -2,7 +2,10 @@
 // checkpoints written by the writer load into identical canonical weights, run through the CPU
 // layer, slice correctly for expert parallelism, and every malformed layer is rejected with its
 // own message naming file and tensor.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -168,6 +171,67 @@ TEST(CheckpointMoe, ExpertParallelSliceEqualsTheFullLoadSlice) {
       }
     }
   }
+}
+
+// Fraction of the pages of [p, p + bytes) mapped in this process's page table (bit 63 of
+// /proc/self/pagemap), i.e. pages this process has touched (plus the kernel's fault-around of at
+// most 64 KiB next to a touched page); -1 when pagemap cannot be read.
+double mapped_fraction(const uint8_t* p, int64_t bytes) {
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) / page;
+  const uintptr_t last = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes) - 1) / page;
+  const int fd = ::open("/proc/self/pagemap", O_RDONLY);
+  if (fd < 0) return -1.0;
+  std::vector<uint64_t> entries(last - first + 1);
+  const ssize_t want = static_cast<ssize_t>(entries.size() * sizeof(uint64_t));
+  const ssize_t got = ::pread(fd, entries.data(), static_cast<size_t>(want), static_cast<off_t>(first * sizeof(uint64_t)));
+  ::close(fd);
+  if (got != want) return -1.0;
+  constexpr uint64_t kPresent = uint64_t{1} << 63;
+  int64_t present = 0;
+  for (uint64_t e : entries) present += (e & kPresent) != 0;
+  return static_cast<double>(present) / static_cast<double>(entries.size());
+}
+
+TEST(CheckpointMoe, ExpertParallelLoadReadsOnlyTheRanksPages) {
+  // Rank 1 of 2 loads its experts from a fresh mapping: the pages of its experts get mapped, the
+  // pages of rank 0's experts must not (the 5% allowance covers the kernel's fault-around next
+  // to the rank's first tensor and the header page).
+  TempDir dir;
+  const int64_t H = 1024, I = 1024;
+  const MoeWeights w = random_weights(kE, 0, H, I, false, 17);
+  const std::string path = write_checkpoint(dir, "k.safetensors", kKimiPrefix, w, ExpertConvention::kPerExpert);
+  const Checkpoint ckpt = Checkpoint::open(path);
+  // Bytes of experts [first, first + count) whose pages are mapped (-1 without pagemap).
+  auto mapped = [&](int64_t first, int64_t count) {
+    double sum = 0;
+    for (int64_t e = first; e < first + count; ++e) {
+      for (const char* m : {"w1", "w3", "w2"}) {
+        for (const char* k : {"weight_packed", "weight_scale"}) {
+          const auto ref = ckpt.get(per_expert_tensor_name(kKimiPrefix, e, m, k));
+          const double f = mapped_fraction(ref.data(), ref.info->nbytes());
+          if (f < 0) return -1.0;
+          sum += f * static_cast<double>(ref.info->nbytes());
+        }
+      }
+    }
+    return sum;
+  };
+  auto bytes_of = [&](int64_t first, int64_t count) {
+    double sum = 0;
+    for (int64_t e = first; e < first + count; ++e)
+      for (const char* m : {"w1", "w3", "w2"})
+        for (const char* k : {"weight_packed", "weight_scale"})
+          sum += static_cast<double>(ckpt.get(per_expert_tensor_name(kKimiPrefix, e, m, k)).info->nbytes());
+    return sum;
+  };
+  const double before = mapped(0, kE);
+  if (before < 0) GTEST_SKIP() << "/proc/self/pagemap is not readable here";
+  EXPECT_LT(before / bytes_of(0, kE), 0.05) << "opening and validating reads the header only";
+  const MoeWeights part = load_moe_layer(ckpt, find_moe_layers(ckpt)[0], 1, 2);
+  EXPECT_EQ(part.first_expert, kE / 2);
+  EXPECT_GT(mapped(kE / 2, kE / 2) / bytes_of(kE / 2, kE / 2), 0.99) << "the rank's experts were read";
+  EXPECT_LT(mapped(0, kE / 2) / bytes_of(0, kE / 2), 0.05) << "other ranks' experts must not be read";
 }
 
 TEST(CheckpointMoe, ShardedKimiCheckpointWithSeveralLayers) {
