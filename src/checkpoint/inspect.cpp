@@ -81,6 +81,7 @@ double ScaleStats::fraction_rows_within(int spread) const {
 namespace {
 
 constexpr int64_t kE2m1PerByte = 2;
+constexpr int64_t kBf16Bytes = 2;
 
 InspectLayer inspect_layer(const Checkpoint& ckpt, const MoeLayerInfo& info, bool with_stats) {
   InspectLayer out;
@@ -88,7 +89,7 @@ InspectLayer inspect_layer(const Checkpoint& ckpt, const MoeLayerInfo& info, boo
   const int64_t E = info.num_experts, H = info.hidden, I = info.intermediate;
   const int64_t gate_sf = I * H / kScaleBlock, down_sf = H * I / kScaleBlock;
   out.expert_bytes = 2 * I * H / kE2m1PerByte + 2 * gate_sf + H * I / kE2m1PerByte + down_sf +
-                     (info.has_bias ? (2 * I + H) * 2 : 0);
+                     (info.has_bias ? (2 * I + H) * kBf16Bytes : 0);
   if (info.convention == ExpertConvention::kPerExpert) {
     const char* roles[3] = {"gate (w1)", "up (w3)", "down (w2)"};
     const char* mats[3] = {"w1", "w3", "w2"};

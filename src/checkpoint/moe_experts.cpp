@@ -25,6 +25,7 @@ constexpr int64_t kMaxExpertIndex = 1 << 20;   // far above any real model (Kimi
 constexpr int64_t kE2m1PerByte = 2;
 constexpr int64_t kGptOssBlockBytes = 16;      // 32 E2M1 codes of one scale block
 constexpr int64_t kBf16Bytes = 2;
+constexpr int64_t kInterleave = 2;             // GPT-OSS: row 2i gate i, row 2i + 1 up i
 
 // Per-expert convention: matrix x kind.
 enum Matrix { kW1 = 0, kW3 = 1, kW2 = 2, kNumMatrices = 3 };
@@ -222,11 +223,11 @@ MoeLayerInfo validate_fused(const Checkpoint& ckpt, const std::string& prefix, c
   MEGAMOE_CHECK(blocks_shape(gu, &E, &N, &K), ErrorCode::kFormat, where(gu),
                 ": expected shape [E, 2I, H/32, 16] or [E, 2I, H/2], got ",
                 detail::shape_string(gu.info->shape));
-  MEGAMOE_CHECK(N % 2 == 0, ErrorCode::kFormat, where(gu), ": 2I = ", N,
+  MEGAMOE_CHECK(N % kInterleave == 0, ErrorCode::kFormat, where(gu), ": 2I = ", N,
                 " rows must be even (interleaved gate/up pairs)");
   MEGAMOE_CHECK(E > 0, ErrorCode::kFormat, where(gu), ": no experts (E = 0)");
   info.num_experts = E;
-  info.intermediate = N / 2;
+  info.intermediate = N / kInterleave;
   info.hidden = K;
   check_dims(where(gu), info.hidden, info.intermediate);
   const int64_t H = info.hidden, I = info.intermediate;
@@ -415,10 +416,10 @@ MoeWeights load_moe_layer(const Checkpoint& ckpt, const MoeLayerInfo& layer, int
     // NOTES: interleaved rows: source row 2i is gate row i, 2i + 1 is up row i.
     uint8_t* l1 = w13 + j * 2 * gate_bytes;
     uint8_t* l1_sf = w13_sf + j * 2 * gate_sf;
-    copy_rows(l1, gu + j * 2 * gate_bytes, I, l1_row, 0, 2);
-    copy_rows(l1 + gate_bytes, gu + j * 2 * gate_bytes, I, l1_row, 1, 2);
-    copy_rows(l1_sf, gu_sf + j * 2 * gate_sf, I, l1_sf_row, 0, 2);
-    copy_rows(l1_sf + gate_sf, gu_sf + j * 2 * gate_sf, I, l1_sf_row, 1, 2);
+    copy_rows(l1, gu + j * 2 * gate_bytes, I, l1_row, 0, kInterleave);
+    copy_rows(l1 + gate_bytes, gu + j * 2 * gate_bytes, I, l1_row, 1, kInterleave);
+    copy_rows(l1_sf, gu_sf + j * 2 * gate_sf, I, l1_sf_row, 0, kInterleave);
+    copy_rows(l1_sf + gate_sf, gu_sf + j * 2 * gate_sf, I, l1_sf_row, 1, kInterleave);
   }
   std::memcpy(w2, fused(kDownBlocks, down_bytes), E_l * down_bytes);
   std::memcpy(w2_sf, fused(kDownScales, down_sf), E_l * down_sf);
@@ -426,8 +427,8 @@ MoeWeights load_moe_layer(const Checkpoint& ckpt, const MoeLayerInfo& layer, int
     const uint8_t* gb = fused(kGateUpBias, 2 * I * kBf16Bytes);
     auto* b13 = w.w13_bias.as<uint8_t>();
     for (int64_t j = 0; j < E_l; ++j) {
-      copy_rows(b13 + j * 2 * I * kBf16Bytes, gb + j * 2 * I * kBf16Bytes, I, kBf16Bytes, 0, 2);
-      copy_rows(b13 + (j * 2 + 1) * I * kBf16Bytes, gb + j * 2 * I * kBf16Bytes, I, kBf16Bytes, 1, 2);
+      copy_rows(b13 + j * 2 * I * kBf16Bytes, gb + j * 2 * I * kBf16Bytes, I, kBf16Bytes, 0, kInterleave);
+      copy_rows(b13 + (j * 2 + 1) * I * kBf16Bytes, gb + j * 2 * I * kBf16Bytes, I, kBf16Bytes, 1, kInterleave);
     }
     std::memcpy(w.w2_bias.data(), fused(kDownBias, H * kBf16Bytes), E_l * H * kBf16Bytes);
   }
@@ -458,11 +459,11 @@ void add_moe_layer(SafetensorsWriter& writer, std::string_view prefix, const Moe
       auto name = [&](const char* m, int k) { return per_expert_tensor_name(p, e, m, kKindSuffixes[k]); };
       const uint8_t* l1 = w13 + e * 2 * gate_bytes;
       const uint8_t* l1_sf = w13_sf + e * 2 * gate_sf;
-      writer.add_copy(name("w1", kPacked), StDType::kU8, {I, H / 2}, l1);
+      writer.add_copy(name("w1", kPacked), StDType::kU8, {I, H / kE2m1PerByte}, l1);
       writer.add_copy(name("w1", kScale), StDType::kU8, {I, H / kScaleBlock}, l1_sf);
-      writer.add_copy(name("w3", kPacked), StDType::kU8, {I, H / 2}, l1 + gate_bytes);
+      writer.add_copy(name("w3", kPacked), StDType::kU8, {I, H / kE2m1PerByte}, l1 + gate_bytes);
       writer.add_copy(name("w3", kScale), StDType::kU8, {I, H / kScaleBlock}, l1_sf + gate_sf);
-      writer.add_copy(name("w2", kPacked), StDType::kU8, {H, I / 2}, w2 + e * down_bytes);
+      writer.add_copy(name("w2", kPacked), StDType::kU8, {H, I / kE2m1PerByte}, w2 + e * down_bytes);
       writer.add_copy(name("w2", kScale), StDType::kU8, {H, I / kScaleBlock}, w2_sf + e * down_sf);
     }
     return;
@@ -473,15 +474,15 @@ void add_moe_layer(SafetensorsWriter& writer, std::string_view prefix, const Moe
     std::vector<uint8_t> out(static_cast<size_t>(E * 2 * I * row_bytes));
     for (int64_t e = 0; e < E; ++e) {
       for (int64_t i = 0; i < I; ++i) {
-        for (int half = 0; half < 2; ++half) {
-          std::memcpy(out.data() + ((e * 2 * I) + 2 * i + half) * row_bytes,
+        for (int half = 0; half < kInterleave; ++half) {
+          std::memcpy(out.data() + ((e * 2 * I) + kInterleave * i + half) * row_bytes,
                       src + ((e * 2 * I) + half * I + i) * row_bytes, static_cast<size_t>(row_bytes));
         }
       }
     }
     return out;
   };
-  const auto gu = interleave(w13, H / 2);
+  const auto gu = interleave(w13, H / kE2m1PerByte);
   const auto gu_sf = interleave(w13_sf, H / kScaleBlock);
   writer.add_copy(fused_tensor_name(p, kFusedSuffixes[kGateUpBlocks]), StDType::kU8,
                   {E, 2 * I, H / kScaleBlock, kGptOssBlockBytes}, gu.data());
