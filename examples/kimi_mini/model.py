@@ -260,9 +260,14 @@ class Experts(nn.Module):
 
         slot_expert = idx.reshape(-1)                                   # [S]
         slot_token = torch.arange(T, device=z.device).repeat_interleave(K)
-        onehot = F.one_hot(slot_expert, E)                              # [S, E]
-        pos = (onehot.cumsum(0) * onehot).sum(-1) - 1                   # rank within expert
-        cap = int(onehot.sum(0).max().item())
+        # rank of each slot within its expert, from a stable sort (NOTES: a cumsum over a
+        # one-hot [S, E] along S runs one sequential scan per column on CUDA: 0.1 s per layer)
+        order = torch.argsort(slot_expert, stable=True)
+        load = torch.bincount(slot_expert, minlength=E)                 # [E]
+        first = load.cumsum(0) - load                                   # first sorted row
+        pos = torch.empty_like(slot_expert)
+        pos[order] = torch.arange(slot_expert.numel(), device=z.device) - first[slot_expert[order]]
+        cap = int(load.max().item())
         xin = z.new_zeros(E, cap, H)
         xin = xin.index_put((slot_expert, pos), zq[slot_token])
         wts = z.new_zeros(E, cap, 1).index_put((slot_expert, pos),
@@ -280,7 +285,7 @@ class Experts(nn.Module):
         o = torch.bmm(v.to(mm), w2.transpose(1, 2).to(mm)).float()       # [E, C, H]
         o = ste(o, bf16_round(o))
         y = o[slot_expert, pos].view(T, K, H).sum(1)                    # combine, k ascending
-        return ste(y, bf16_round(y)), onehot.sum(0)
+        return ste(y, bf16_round(y)), load
 
 
 class MoE(nn.Module):
