@@ -18,6 +18,7 @@ struct InspectArgs {
   bool no_stats = false;
   bool json = false;
   bool list_tensors = false;
+  bool per_expert = false;
 };
 
 nlohmann::json stats_json(const ScaleStats& s) {
@@ -77,7 +78,7 @@ int run_inspect(const InspectArgs& args) {
   const std::vector<InspectLayer> layers = inspect_checkpoint(ckpt, opts);
   bar.finish();
   if (!args.json) {
-    std::fputs(format_inspect_report(ckpt, layers).c_str(), stdout);
+    std::fputs(format_inspect_report(ckpt, layers, args.per_expert).c_str(), stdout);
     return kExitOk;
   }
   nlohmann::json out = {{"path", ckpt.path()},
@@ -99,6 +100,13 @@ int run_inspect(const InspectArgs& args) {
     for (const InspectMatrix& m : l.matrices) {
       nlohmann::json jm = {{"role", m.role}, {"weight", m.weight_desc}, {"scale", m.scale_desc}};
       if (m.stats.rows > 0) jm["scale_stats"] = stats_json(m.stats);
+      if (args.per_expert) {
+        nlohmann::json pe = nlohmann::json::array();
+        for (const ExpertScaleSummary& x : m.per_expert)
+          pe.push_back({{"min_byte", x.min <= x.max ? x.min : -1}, {"max_byte", x.max},
+                        {"max_row_spread", x.max_row_spread}});
+        jm["per_expert"] = std::move(pe);
+      }
       jl["matrices"].push_back(std::move(jm));
     }
     out["layers"].push_back(std::move(jl));
@@ -118,6 +126,8 @@ const Command kInspect{
       app.add_flag("--no-stats", args->no_stats, "shapes only: do not read the scale tensors");
       app.add_flag("--json", args->json, "print a JSON document instead of the text report");
       app.add_flag("--list-tensors", args->list_tensors, "also list every tensor with dtype and shape");
+      app.add_flag("--per-expert", args->per_expert,
+                   "scale statistics of every expert's tensor (min, max, largest row spread)");
       return [args] { return run_inspect(*args); };
     }};
 

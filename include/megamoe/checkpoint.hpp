@@ -271,11 +271,19 @@ struct ScaleStats {
   bool fold_exact() const { return max_spread() <= kMaxExactFoldSpread; }
 };
 
+// One expert's scale tensor in brief (per-tensor statistics without the histogram).
+struct ExpertScaleSummary {
+  int min = kNumUe8m0Codes;  // UE8M0 bytes; min > max when the tensor has no finite scale
+  int max = -1;
+  int max_row_spread = 0;
+};
+
 struct InspectMatrix {
   std::string role;          // "gate (w1)", "up (w3)", "down (w2)"
   std::string weight_desc;   // dtype and shape of one expert's tensor (or the fused tensor)
   std::string scale_desc;
   ScaleStats stats;          // over all experts (rows of this matrix only)
+  std::vector<ExpertScaleSummary> per_expert;  // expert e's scale tensor (when stats were read)
 };
 
 struct InspectLayer {
@@ -291,8 +299,9 @@ struct InspectOptions {
 
 std::vector<InspectLayer> inspect_checkpoint(const Checkpoint& checkpoint,
                                              const InspectOptions& options = {});
-// Human-readable report of the layers (what `megamoe inspect` prints).
+// Human-readable report of the layers (what `megamoe inspect` prints); `per_expert` adds one
+// line per expert and matrix (min, max, largest row spread of its scale tensor).
 std::string format_inspect_report(const Checkpoint& checkpoint,
-                                  const std::vector<InspectLayer>& layers);
+                                  const std::vector<InspectLayer>& layers, bool per_expert = false);
 
 }  // namespace megamoe

@@ -83,6 +83,10 @@ namespace {
 constexpr int64_t kE2m1PerByte = 2;
 constexpr int64_t kBf16Bytes = 2;
 
+ExpertScaleSummary summarize(const ScaleStats& s) {
+  return {s.min, s.max, s.max_spread()};
+}
+
 InspectLayer inspect_layer(const Checkpoint& ckpt, const MoeLayerInfo& info, bool with_stats) {
   InspectLayer out;
   out.info = info;
@@ -108,7 +112,10 @@ InspectLayer inspect_layer(const Checkpoint& ckpt, const MoeLayerInfo& info, boo
           MEGAMOE_CHECK(s.info->nbytes() == rows[m] * groups[m], ErrorCode::kFormat,
                         s.file->path(), ": tensor ", detail::quote_name(s.info->name),
                         ": unexpected size ", s.info->nbytes());
-          im.stats.add_rows(s.data(), rows[m], groups[m]);
+          ScaleStats expert;
+          expert.add_rows(s.data(), rows[m], groups[m]);
+          im.per_expert.push_back(summarize(expert));
+          im.stats.merge(expert);
         }
       }
       out.matrices.push_back(std::move(im));
@@ -132,12 +139,19 @@ InspectLayer inspect_layer(const Checkpoint& ckpt, const MoeLayerInfo& info, boo
   down.weight_desc = dn.info->describe();
   down.scale_desc = dn_sf.info->describe();
   if (with_stats) {
-    const int64_t g1 = H / kScaleBlock;
-    const uint8_t* p = gu_sf.data();
-    for (int64_t row = 0; row < E * 2 * I; ++row) {
-      (row % 2 == 0 ? gate : up).stats.add_rows(p + row * g1, 1, g1);
+    const int64_t g1 = H / kScaleBlock, g2 = I / kScaleBlock;
+    for (int64_t e = 0; e < E; ++e) {
+      ScaleStats eg, eu, ed;
+      const uint8_t* p = gu_sf.data() + e * 2 * gate_sf;
+      for (int64_t row = 0; row < 2 * I; ++row) (row % 2 == 0 ? eg : eu).add_rows(p + row * g1, 1, g1);
+      ed.add_rows(dn_sf.data() + e * down_sf, H, g2);
+      gate.per_expert.push_back(summarize(eg));
+      up.per_expert.push_back(summarize(eu));
+      down.per_expert.push_back(summarize(ed));
+      gate.stats.merge(eg);
+      up.stats.merge(eu);
+      down.stats.merge(ed);
     }
-    down.stats.add_rows(dn_sf.data(), E * H, I / kScaleBlock);
   }
   out.matrices = {std::move(gate), std::move(up), std::move(down)};
   return out;
@@ -169,7 +183,8 @@ std::vector<InspectLayer> inspect_checkpoint(const Checkpoint& ckpt, const Inspe
   return layers;
 }
 
-std::string format_inspect_report(const Checkpoint& ckpt, const std::vector<InspectLayer>& layers) {
+std::string format_inspect_report(const Checkpoint& ckpt, const std::vector<InspectLayer>& layers,
+                                  bool per_expert) {
   std::ostringstream os;
   os << "checkpoint " << ckpt.path() << ": " << ckpt.files().size() << " file(s), "
      << ckpt.num_tensors() << " tensors, " << human_bytes(ckpt.total_bytes()) << "\n";
@@ -206,6 +221,15 @@ std::string format_inspect_report(const Checkpoint& ckpt, const std::vector<Insp
         if (s.spread_rows[i] > 0) os << " " << i << ":" << s.spread_rows[i];
       }
       os << "\n";
+      if (!per_expert) continue;
+      for (size_t e = 0; e < m.per_expert.size(); ++e) {
+        const ExpertScaleSummary& x = m.per_expert[e];
+        os << "      expert " << e << ": exponent min "
+           << (x.min <= x.max ? x.min - kUe8m0Bias : 0) << ", max "
+           << (x.min <= x.max ? x.max - kUe8m0Bias : 0) << ", largest row spread "
+           << x.max_row_spread << (x.max_row_spread > kMaxExactFoldSpread ? "  (fold not exact)" : "")
+           << "\n";
+      }
     }
   }
   if (any_stats) {

@@ -251,6 +251,13 @@ TEST(Inspect, ReportNamesLayersShapesAndFoldVerdict) {
   for (const char* part : {"layer 5", "E = 4, H = 128, I = 64", "U8[64, 64] x 4 experts", "down (w2)",
                            "max 20", "NOT exact", "exact when <= 14"})
     EXPECT_NE(text.find(part), std::string::npos) << part << " missing in:\n" << text;
+  ASSERT_EQ(layers[0].matrices[2].per_expert.size(), 4u);
+  EXPECT_EQ(layers[0].matrices[2].per_expert[2].max_row_spread, 20);
+  EXPECT_EQ(layers[0].matrices[2].per_expert[2].min, 100);
+  EXPECT_LE(layers[0].matrices[2].per_expert[1].max_row_spread, 4);
+  const std::string detailed = format_inspect_report(ckpt, layers, /*per_expert=*/true);
+  EXPECT_NE(detailed.find("expert 2: exponent min -27, max -3, largest row spread 20  (fold not exact)"),
+            std::string::npos) << detailed;
   // Shapes only: no statistics read.
   InspectOptions no_stats;
   no_stats.scale_stats = false;
