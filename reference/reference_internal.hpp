@@ -47,4 +47,8 @@ void dot_tile(const float* w, int64_t num_w_rows, const float* const* x_rows, in
 void dot_tile(const double* w, int64_t num_w_rows, const double* const* x_rows,
               int64_t num_x_rows, int64_t k_dim, double* out, int64_t out_stride);
 
+// Tests only: use the baseline (SSE2) dot kernels even where AVX2 is available (on = true) or
+// restore the automatic choice. Returns whether this CPU has an AVX2 path at all.
+bool force_baseline_dot(bool on);
+
 }  // namespace megamoe::reference_detail

@@ -17,6 +17,7 @@
 #include "megamoe/reference.hpp"
 #include "megamoe/routing.hpp"
 #include "megamoe/weights.hpp"
+#include "reference/reference_internal.hpp"
 
 namespace megamoe {
 namespace {
@@ -400,6 +401,27 @@ TEST(Reference, DeterministicAcrossThreadCounts) {
     EXPECT_EQ(tr.h_q, tr_ref.h_q) << threads << " threads";
   }
   set_num_threads(0);
+}
+
+TEST(Reference, VectorPathsAreBitIdentical) {
+  // The AVX2 and SSE2 dot kernels follow one summation order: same bits for the layer and the ideal.
+  const Case c = scaled_cases()[2];  // gpt-oss-120b/9: biases, swiglu_oai
+  const LayerConfig cfg = make_config(c);
+  const int64_t T = 24;
+  const MoeWeights w = synthetic_weights(cfg, 6, c.bias);
+  const Routing r = make_routing(RoutingKind::kUniform, T, c.shape.num_experts, c.shape.top_k, 6);
+  const auto x = synthetic_activations(T, c.shape.hidden, 6);
+  std::vector<uint16_t> y_auto(x.size()), y_base(x.size());
+  std::vector<double> i_auto(x.size()), i_base(x.size());
+  reference_forward(cfg, w, x.data(), r.topk_idx.data(), r.topk_weights.data(), T, y_auto.data());
+  ideal_forward(cfg, w, x.data(), r.topk_idx.data(), r.topk_weights.data(), T, i_auto.data());
+  const bool has_avx2 = reference_detail::force_baseline_dot(true);
+  reference_forward(cfg, w, x.data(), r.topk_idx.data(), r.topk_weights.data(), T, y_base.data());
+  ideal_forward(cfg, w, x.data(), r.topk_idx.data(), r.topk_weights.data(), T, i_base.data());
+  reference_detail::force_baseline_dot(false);
+  if (!has_avx2) GTEST_SKIP() << "this CPU has no AVX2: only the baseline path exists";
+  EXPECT_EQ(y_auto, y_base);
+  EXPECT_EQ(i_auto, i_base);
 }
 
 TEST(Reference, FastMathIsCloseToExact) {
