@@ -10,7 +10,8 @@ large), then the question "How many X does N have now?". The answer writes every
     A: 4*6=24. 23+24=47. 47-7=40. #### 40
 
 Every problem has 2-4 steps and every number in it lies in [0, kMaxValue], so the arithmetic a
-small character-level model must do is bounded (3-digit sums, 1-digit x 2-digit products).
+small character-level model must do is bounded (sums of 2-3 digit numbers, 1-digit x 1-digit
+pack products, 2..4 times a count of at most 30).
 
 The held-out set (heldout.jsonl, 200 problems) is drawn from its own seed; the training stream
 rejects every problem whose question text is in it, so the two are disjoint by construction.
@@ -22,6 +23,8 @@ import random
 from dataclasses import dataclass
 
 kMaxValue = 999          # no number in a problem or its answer exceeds this
+kMaxOperand = 50         # starting counts and amounts added or removed
+kMaxTimesBase = 30       # "m times as large" only applies to counts up to this (m in 2..4)
 kMinSteps, kMaxSteps = 2, 4
 kHeldoutSeed = 20240607  # the held-out set's own stream (never used for training batches)
 kHeldoutSize = 200
@@ -83,29 +86,29 @@ def _event(rng: random.Random, cur: int, steps_left: int, ctx: dict):
     kinds = ["add", "sub"]
     if steps_left >= 2:
         kinds.append("pack")
-    if 2 <= cur <= 40:
+    if 2 <= cur <= kMaxTimesBase:
         kinds.append("times")
     kind = rng.choice(kinds)
     if kind == "add":
-        n = rng.randint(2, 60)
+        n = rng.randint(2, kMaxOperand)
         new = cur + n
         tpl, steps = rng.choice(ADD_TEMPLATES), [f"{cur}+{n}={new}"]
         fmt = dict(n=n)
     elif kind == "sub":
         if cur < 3:
             return None
-        n = rng.randint(1, min(cur - 1, 60))
+        n = rng.randint(1, min(cur - 1, kMaxOperand))
         new = cur - n
         tpl, steps = rng.choice(SUB_TEMPLATES), [f"{cur}-{n}={new}"]
         fmt = dict(n=n)
     elif kind == "pack":
-        m, n = rng.randint(2, 9), rng.randint(2, 12)
+        m, n = rng.randint(2, 9), rng.randint(2, 9)
         x = m * n
         new = cur + x
         tpl, steps = rng.choice(PACK_TEMPLATES), [f"{m}*{n}={x}", f"{cur}+{x}={new}"]
         fmt = dict(m=m, n=n, box=rng.choice(CONTAINERS))
     else:
-        m = rng.randint(2, 5)
+        m = rng.randint(2, 4)
         new = cur * m
         tpl, steps = rng.choice(TIMES_TEMPLATES), [f"{cur}*{m}={new}"]
         fmt = dict(m=m)
@@ -121,7 +124,7 @@ def generate(rng: random.Random) -> Problem:
         obj = rng.choice(OBJECTS)
         ctx = dict(P=pron, p=pron.lower(), p_obj="him" if pron == "He" else "her", F=friend,
                    obj=obj)
-        cur = rng.randint(2, 60)
+        cur = rng.randint(2, kMaxOperand)
         target_steps = rng.randint(kMinSteps, kMaxSteps)
         sentences, steps = [f"{name} has {cur} {obj}."], []
         ok = True

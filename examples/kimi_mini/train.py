@@ -204,7 +204,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", default="auto", help="number of steps, or 'auto' (fit the budget)")
     ap.add_argument("--time-budget", type=float, default=180.0, help="seconds of training")
-    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=384)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tiny", action="store_true", help="small config for CPU debugging")
