@@ -138,6 +138,7 @@ int run(const RunOptions& o) {
     if (dev.type != DeviceType::kCPU) copy_bytes(y.data(), Device::cpu(), y_ptr, dev, x_bytes);
     if (i >= o.warmup) times.push_back(seconds_since(t0));
   }
+  layer.check_errors(nullptr);  // device-side input errors of GPU backends
   std::vector<double> sorted = times;
   std::sort(sorted.begin(), sorted.end());
   const double median_s = sorted[sorted.size() / 2];

@@ -42,6 +42,11 @@ class MoeLayer {
   void forward(const TensorView& x, const TensorView& topk_idx, const TensorView& topk_weights,
                const TensorView& y, void* stream = nullptr);
 
+  // GPU backends run forward asynchronously on `stream` and record invalid expert ids found on
+  // the device; check_errors waits for `stream` and throws kOutOfRange naming the first bad
+  // token/slot since the last check. The cpu backend throws from forward itself (no-op here).
+  void check_errors(void* stream = nullptr);
+
   const LayerConfig& config() const;
   const std::string& backend() const;
   Device device() const;

@@ -36,6 +36,11 @@ class LayerBackend {
   virtual void forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                        int64_t num_tokens, uint16_t* y, void* stream) = 0;
 
+  // Asynchronous backends record errors found on the device (invalid expert ids) instead of
+  // throwing from forward: this waits for `stream` and throws them (kOutOfRange naming token and
+  // slot), clearing the record. Synchronous backends throw from forward and need nothing here.
+  virtual void check_errors(void* stream) { (void)stream; }
+
   const std::string& name() const { return name_; }
   const LayerConfig& config() const { return config_; }
   const MoeWeights& weights() const { return weights_; }

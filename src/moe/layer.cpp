@@ -97,6 +97,11 @@ void MoeLayer::forward(const TensorView& x, const TensorView& topk_idx,
                  topk_weights.ptr<const float>(), num_tokens, y.ptr<uint16_t>(), stream);
 }
 
+void MoeLayer::check_errors(void* stream) {
+  MEGAMOE_CHECK_ARG(impl_ != nullptr, "MoeLayer::check_errors: this layer was moved from");
+  impl_->check_errors(stream);
+}
+
 const LayerConfig& MoeLayer::config() const {
   MEGAMOE_CHECK_ARG(impl_ != nullptr, "MoeLayer: this layer was moved from");
   return impl_->config();
