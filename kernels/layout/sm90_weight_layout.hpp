@@ -131,13 +131,17 @@ MEGAMOE_HD void scale_source(int64_t index, int64_t cols, bool interleave, int64
 // Device-side decoding of one prepared word (used by the GEMM mainloop).
 // E2M1 magnitude bits (e1 e0 m) moved to BF16 bits 8..6 read as a BF16 equal to the E2M1 value
 // times 2^-126 (codes 0/1 become BF16 subnormals, which BF16 arithmetic keeps); the sign goes to
-// bit 15 (31 for the high half). Two exact multiplies give E2M1 x 2^(b - 127): by 2^126, then by
-// the scale 2^(b - 127). NOTES: one multiply by 2^(b - 1) would save an instruction but 2^(b - 1)
-// exceeds the BF16 range for b > 128 (legal, if unusual, weight scales).
+// bit 15 (31 for the high half). When every scale byte of a warp is < 128, one exact multiply by
+// 2^(b - 1) gives E2M1 x 2^(b - 127); otherwise two: by 2^126, then by the scale 2^(b - 127)
+// (2^(b - 1) exceeds the BF16 range for b > 128: legal, if unusual, weight scales).
 // ---------------------------------------------------------------------------------------------
 constexpr uint32_t kSignMask = 0x80008000u;
 constexpr uint32_t kMagMask = 0x01C001C0u;
 constexpr uint32_t kDecodeUnscale = 0x7E807E80u;  // BF16x2 (2^126, 2^126)
+// Folded decoding for scale bytes b < 128 (every real checkpoint's weights are far below 6):
+// one multiply by the BF16 2^(b - 1) = 2^126 x 2^(b - 127), exponent field b + 126.
+constexpr uint32_t kScaleHighBits = 0x80808080u;   // a scale byte >= 128 takes the two-step path
+constexpr uint32_t kFoldedScaleBias = 0x3F003F00u; // (126 << 7) in both BF16 halves
 
 // BF16 bits of the UE8M0 scale 2^(b - 127) (exact for every b; 0xFF -> NaN).
 MEGAMOE_HD uint32_t scale_bf16_bits(uint32_t b) {

@@ -155,6 +155,14 @@ __device__ __forceinline__ uint32_t ld_shared_u32(const void* p) {
   return v;
 }
 
+// The value of x, hidden from the optimizer (a volatile move is never hoisted out of a loop):
+// keeps loop-invariant arithmetic on x where it is used instead of in live registers.
+__device__ __forceinline__ int opaque(int x) {
+  int y;
+  asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // BF16x2 multiply, round to nearest (exact here: one factor is a power of two). BF16 arithmetic
 // has no flush-to-zero mode, so subnormal operands and results are kept.
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {

@@ -45,9 +45,13 @@ struct GemmParams {
 // One tile configuration. The CTA has kNumMathWG consumer warpgroups (each kMBlocksPerWG
 // 64-row weight blocks x up to kBlockN token rows) and one producer warpgroup whose first thread
 // issues the copies.
+// kOverlapConvert selects the mainloop (sm90_gemm_mainloop.cuh): false = serial per stage (the
+// validated default), true = the next block's conversion overlaps the current wgmmas, with the
+// one-multiply conversion when the scales allow (opt-in until measured on an H200).
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
-          int kMinBlocksPerSM_>
+          int kMinBlocksPerSM_, bool kOverlapConvert_ = false>
 struct GemmConfig {
+  static constexpr bool kOverlapConvert = kOverlapConvert_;
   static constexpr int kNumMathWG = kNumMathWG_;
   static constexpr int kMBlocksPerWG = kMBlocksPerWG_;
   static constexpr int kMBlocksPerCta = kNumMathWG * kMBlocksPerWG;
@@ -112,5 +116,18 @@ struct GemmConfig {
 using Decode8Config = GemmConfig<1, 1, 8, 8, 10, 4>;
 using DecodeConfig = GemmConfig<1, 1, 16, 8, 10, 4>;
 using PrefillConfig = GemmConfig<2, 2, 128, 16, 7, 1>;
+
+// Opt-in configurations (GemmTile::k*Overlap, or MEGAMOE_SM90_GEMM_OVERLAP=1 for kAuto; see
+// src/moe/sm90_gemm.cu): the same tiles with the overlapped mainloop, plus
+//   PrefillWide: 2 math warpgroups x 1 weight block (BLOCK_M 128) x up to 192 token rows, 7
+//            stages of 28.25 KiB: experts with 129..~190 rows (Kimi-K3 at T = 8192 averages 146)
+//            run as one n-tile instead of 128 + a small remainder tile, which costs a whole
+//            K loop of conversions for a few rows.
+//            NOTES: 192 rather than 256 rows: uniform routing at 146 average rows stays under
+//            ~190, and 7 stages fit in shared memory where 256 rows leave 5.
+using Decode8OverlapConfig = GemmConfig<1, 1, 8, 8, 10, 4, true>;
+using DecodeOverlapConfig = GemmConfig<1, 1, 16, 8, 10, 4, true>;
+using PrefillOverlapConfig = GemmConfig<2, 2, 128, 16, 7, 1, true>;
+using PrefillWideOverlapConfig = GemmConfig<2, 1, 192, 16, 7, 1, true>;
 
 }  // namespace megamoe::sm90

@@ -110,17 +110,41 @@ __device__ __forceinline__ void epilogue_l2(const GemmParams& p, const TileInfo&
     const float bias = p.bias != nullptr
                            ? bf16_to_f32(p.bias[static_cast<int64_t>(tile.expert) * H + n])
                            : 0.0f;
+    if constexpr (Cfg::kBlockN > 128) {
+      // NOTES: one 64-bit base per half and 32-bit column offsets col * H, with H through an
+      // opaque move: otherwise the compiler hoists every col * H (loop-invariant) out of the
+      // tile loop and spills them (seen at 192 token rows; the validated <= 128-row configs
+      // keep the per-column addresses below until re-measured).
+      const int H_opaque = ptx::opaque(H);
+      uint16_t* out_base = p.out + static_cast<int64_t>(tile.row0) * H + n;
+      const float* rw_base = p.row_weights + tile.row0;
 #pragma unroll
-    for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
-      if (8 * i < tile.num_rows) {
+      for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
+        if (8 * i < tile.num_rows) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int col = 8 * i + 2 * t + h;
-          if (col < tile.num_rows) {
-            const int64_t row = tile.row0 + col;
-            float v = acc[4 * i + 2 * half + h];
-            if (p.bias != nullptr) v += __ldg(p.row_weights + row) * bias;
-            p.out[row * H + n] = bf16_from_f32(v);
+          for (int h = 0; h < 2; ++h) {
+            const int col = 8 * i + 2 * t + h;
+            if (col < tile.num_rows) {
+              float v = acc[4 * i + 2 * half + h];
+              if (p.bias != nullptr) v += __ldg(rw_base + col) * bias;
+              out_base[col * H_opaque] = bf16_from_f32(v);
+            }
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
+        if (8 * i < tile.num_rows) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int col = 8 * i + 2 * t + h;
+            if (col < tile.num_rows) {
+              const int64_t row = tile.row0 + col;
+              float v = acc[4 * i + 2 * half + h];
+              if (p.bias != nullptr) v += __ldg(p.row_weights + row) * bias;
+              p.out[row * H + n] = bf16_from_f32(v);
+            }
           }
         }
       }

@@ -4,10 +4,12 @@
 // block and one word of scales from shared memory, converts them to BF16 A fragments in registers
 // (exact: E2M1 x 2^(s-127)), and issues 4 wgmma m64nNk16 per weight block with B (token rows)
 // read from the TMA-written, 128B-swizzled stage.
-// NOTES: each stage ends with wait_group 0. Double-buffering the A fragments (convert stage k+1
-// while stage k's wgmmas run, wait_group 1) was tried: ptxas cannot prove the in-flight
-// registers untouched and serializes every wgmma (C7513). With two math warpgroups the other
-// warpgroup's wgmmas fill the tensor core while one converts.
+// Two mainloops (Cfg::kOverlapConvert): the serial one (default, validated on an H200: per stage
+// wait, convert, wgmma, wait_group 0) and the overlapped one (opt-in until measured: the next
+// block's conversion runs while the current block's wgmmas are in flight, see run_overlapped).
+// NOTES: the serial chain is latency-bound (decode streamed 1.1-1.7 TB/s; a prefill stage took
+// ~3x its tensor time). Double-buffering with wait_group 1 across stages was tried: ptxas could
+// not prove the in-flight registers untouched and serialized every wgmma (C7513).
 // NOTES: all kMBlocksPerWG blocks are computed even when the last m-tile is partial (the producer
 // leaves stale bytes there and the epilogue skips them): a wgmma under a data-dependent branch
 // makes ptxas serialize every wgmma of the kernel (C7520).
@@ -44,15 +46,46 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t sf_word, int byte) {
   return bits | (bits << 16);
 }
 
+// BF16x2 (2^(b - 1), 2^(b - 1)) of scale byte kByte of the word, for b < 128: the byte is
+// placed in both 16-bit halves (prmt) and b * 2^7 + (126 << 7) is the BF16 with exponent field
+// b + 126.
+template <int kByte>
+__device__ __forceinline__ uint32_t scale_folded_bf16x2(uint32_t sf_word) {
+  constexpr uint32_t kZeroByte = 4;  // selects a byte of the zero second operand
+  constexpr uint32_t kSelector = (kZeroByte << 12) | (kByte << 8) | (kZeroByte << 4) | kByte;
+  const uint32_t b2 = __byte_perm(sf_word, 0u, kSelector);
+  return b2 * (1u << 7) + sm90_layout::kFoldedScaleBias;
+}
+
 template <class Cfg>
 struct Mainloop {
   static constexpr int kMBlocksPerWG = Cfg::kMBlocksPerWG;
   static constexpr int kSteps = sm90_layout::kStepsPerBlock;
+  using BlockFrags = uint32_t[kSteps][4];  // one 64-row block's A fragments for one stage
   using Frags = uint32_t[kMBlocksPerWG][kSteps][4];
 
-  // Converts one stage's A operand of this thread into `frags`.
-  __device__ __forceinline__ static void load_convert(const uint8_t* smem_a, const uint8_t* smem_sf,
-                                                      int wg, int tid, Frags& frags) {
+  // Runs the K loop of one tile with wgmma N = kN. acc[sub] receives the m64 x kN accumulators.
+  // stage/phase carry the pipeline position across tiles.
+  template <int kN>
+  __device__ __forceinline__ static void run(float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2],
+                                             uint8_t* smem_b, const uint8_t* smem_a,
+                                             const uint8_t* smem_sf, uint64_t* full_bars,
+                                             uint64_t* empty_bars, int num_k_blocks, int wg,
+                                             int tid, int& stage, uint32_t& phase) {
+    if constexpr (Cfg::kOverlapConvert) {
+      run_overlapped<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg,
+                         tid, stage, phase);
+    } else {
+      run_serial<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg, tid,
+                     stage, phase);
+    }
+  }
+
+  // ---- serial mainloop (the validated default): per stage wait, convert all blocks, wgmma,
+  // wait_group 0. Two multiplies per conversion.
+  __device__ __forceinline__ static void load_convert_serial(const uint8_t* smem_a,
+                                                             const uint8_t* smem_sf, int wg,
+                                                             int tid, Frags& frags) {
     const int warp = tid / 32, g = (tid % 32) / 4;
 #pragma unroll
     for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
@@ -77,20 +110,19 @@ struct Mainloop {
     }
   }
 
-  // Runs the K loop of one tile with wgmma N = kN. acc[sub] receives the m64 x kN accumulators.
-  // stage/phase carry the pipeline position across tiles.
   template <int kN>
-  __device__ __forceinline__ static void run(float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2],
-                                             uint8_t* smem_b, const uint8_t* smem_a,
-                                             const uint8_t* smem_sf, uint64_t* full_bars,
-                                             uint64_t* empty_bars, int num_k_blocks, int wg,
-                                             int tid, int& stage, uint32_t& phase) {
+  __device__ __forceinline__ static void run_serial(float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2],
+                                                    uint8_t* smem_b, const uint8_t* smem_a,
+                                                    const uint8_t* smem_sf, uint64_t* full_bars,
+                                                    uint64_t* empty_bars, int num_k_blocks,
+                                                    int wg, int tid, int& stage,
+                                                    uint32_t& phase) {
     static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "wgmma N");
     Frags frags;
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       ptx::mbar_wait(&full_bars[stage], phase);
-      load_convert(smem_a + stage * Cfg::kSmemABytes, smem_sf + stage * Cfg::kSmemSfBytes, wg, tid,
-                   frags);
+      load_convert_serial(smem_a + stage * Cfg::kSmemABytes, smem_sf + stage * Cfg::kSmemSfBytes,
+                          wg, tid, frags);
       // k16 step s starts 32 bytes further into each 128-byte swizzled row (desc units of 16 B).
       // Descriptors and the scale-d flag are computed before the fence, outside the wgmma window.
       const uint64_t desc0 = ptx::smem_desc_k128b(smem_b + stage * Cfg::kSmemBBytes);
@@ -110,6 +142,122 @@ struct Mainloop {
       ptx::wgmma_wait<0>();  // this stage's wgmmas are done: release its buffers
       if (tid % 32 == 0) ptx::mbar_arrive(&empty_bars[stage]);
       if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+    }
+  }
+
+  // ---- overlapped mainloop (opt-in configs, kOverlapConvert): conversion of the next block
+  // during the current block's wgmmas, one multiply per conversion when the scales allow.
+
+  // Converts this thread's A fragments of weight block `lm` (CTA-local) of one stage.
+  __device__ __forceinline__ static void load_convert_block(const uint8_t* smem_a_stage,
+                                                      const uint8_t* smem_sf_stage, int lm,
+                                                      int tid, BlockFrags& frags) {
+    const int warp = tid / 32, g = (tid % 32) / 4;
+    const uint4 wv = ptx::ld_shared_v4(smem_a_stage + lm * sm90_layout::kBlockBytes +
+                                       tid * sm90_layout::kThreadBytes);
+    const uint32_t sfw = ptx::ld_shared_u32(smem_sf_stage + lm * sm90_layout::kSfBlockBytes +
+                                            (warp * 8 + g) * 4);
+    // E2M1 x 2^-126 as BF16x2 per A register (sign and magnitude bits moved into place).
+    uint32_t bits[kSteps][4];
+    const uint32_t words[kSteps] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      bits[s][0] = e2m1x2_bits<0>(words[s]);
+      bits[s][1] = e2m1x2_bits<1>(words[s]);
+      bits[s][2] = e2m1x2_bits<2>(words[s]);
+      bits[s][3] = e2m1x2_bits<3>(words[s]);
+    }
+    // Registers 0, 2 are row g (scale byte j), registers 1, 3 row g + 8 (byte 2 + j); k16 steps
+    // 0, 1 are in the first scale group (j = 0), steps 2, 3 in the second (j = 1).
+    if (__all_sync(0xFFFFFFFFu, (sfw & sm90_layout::kScaleHighBits) == 0)) {
+      // Every scale of the warp is <= 2^0 (b < 128, the usual case): one multiply by
+      // 2^(b - 1) = 2^126 x 2^(b - 127), a normal BF16 for b in [0, 127], gives E2M1 x 2^(b - 127)
+      // exactly (one factor is a power of two and the product is representable).
+      const uint32_t sc[2][2] = {{scale_folded_bf16x2<0>(sfw), scale_folded_bf16x2<1>(sfw)},
+                                 {scale_folded_bf16x2<2>(sfw), scale_folded_bf16x2<3>(sfw)}};
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) frags[s][i] = ptx::mul_bf16x2(bits[s][i], sc[i & 1][s / 2]);
+      }
+    } else {
+      // Any scale: by 2^126, then by 2^(b - 127) (2^(b - 1) would overflow BF16 for b > 128).
+      const uint32_t sc[2][2] = {{scale_bf16x2(sfw, 0), scale_bf16x2(sfw, 1)},
+                                 {scale_bf16x2(sfw, 2), scale_bf16x2(sfw, 3)}};
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          frags[s][i] = ptx::mul_bf16x2(ptx::mul_bf16x2(bits[s][i], sm90_layout::kDecodeUnscale),
+                                        sc[i & 1][s / 2]);
+        }
+      }
+    }
+  }
+
+  // Software pipeline over units (k block kb, weight block sub), in that order: the wgmmas of
+  // unit u are issued, then the A fragments of unit u + 1 are converted (waiting for the next
+  // stage's copies first when u + 1 starts a new k block) while they run, then wait_group 0.
+  // The converted fragments alternate between two register sets; with an even number of weight
+  // blocks per warpgroup the set of every unit is a compile-time constant, with one block per
+  // warpgroup (decode) the next set is copied into the current one after the wait.
+  // NOTES: wait_group 0 per unit (not 1 across units) keeps no wgmma in flight over the k-loop
+  // back edge and no in-flight register written: ptxas then keeps the wgmmas asynchronous
+  // (a version with wait_group 1 across stages serialized them, C7513).
+  template <int kN>
+  __device__ __forceinline__ static void run_overlapped(
+      float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
+      const uint8_t* smem_sf, uint64_t* full_bars, uint64_t* empty_bars, int num_k_blocks, int wg,
+      int tid, int& stage, uint32_t& phase) {
+    static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "wgmma N");
+    constexpr bool kStaticSets = kMBlocksPerWG % 2 == 0;
+    const int lm0 = wg * kMBlocksPerWG;
+    BlockFrags frags[2];
+    ptx::mbar_wait(&full_bars[stage], phase);
+    load_convert_block(smem_a + stage * Cfg::kSmemABytes, smem_sf + stage * Cfg::kSmemSfBytes,
+                       lm0, tid, frags[0]);
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      // k16 step s starts 32 bytes further into each 128-byte swizzled row (desc units of 16 B).
+      // Descriptors and the scale-d flag are computed before the fence, outside the wgmma window.
+      const uint64_t desc0 = ptx::smem_desc_k128b(smem_b + stage * Cfg::kSmemBBytes);
+      uint64_t desc[kSteps];
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) desc[s] = desc0 + static_cast<uint64_t>(s * sm90_layout::kStepK * 2 / 16);
+      const uint32_t scale_d0 = kb != 0 ? 1u : 0u;
+      const bool has_next_kb = kb + 1 < num_k_blocks;
+      const int next_stage = stage + 1 == Cfg::kNumStages ? 0 : stage + 1;
+      const uint32_t next_phase = stage + 1 == Cfg::kNumStages ? phase ^ 1u : phase;
+#pragma unroll
+      for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
+        const int cur = kStaticSets ? (sub & 1) : 0;
+        const int nxt = kStaticSets ? ((sub + 1) & 1) : 1;
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          ptx::WgmmaBf16RS<kN>::mma(acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
+        }
+        ptx::wgmma_commit();
+        if (sub + 1 < kMBlocksPerWG) {
+          load_convert_block(smem_a + stage * Cfg::kSmemABytes,
+                             smem_sf + stage * Cfg::kSmemSfBytes, lm0 + sub + 1, tid, frags[nxt]);
+        } else if (has_next_kb) {  // uniform over the warpgroup
+          ptx::mbar_wait(&full_bars[next_stage], next_phase);
+          load_convert_block(smem_a + next_stage * Cfg::kSmemABytes,
+                             smem_sf + next_stage * Cfg::kSmemSfBytes, lm0, tid, frags[nxt]);
+        }
+        ptx::wgmma_wait<0>();
+        if constexpr (!kStaticSets) {
+#pragma unroll
+          for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) frags[0][s][r] = frags[1][s][r];
+          }
+        }
+      }
+      // This stage's wgmmas are done: release its buffers.
+      if (tid % 32 == 0) ptx::mbar_arrive(&empty_bars[stage]);
+      stage = next_stage;
+      phase = next_phase;
     }
   }
 };

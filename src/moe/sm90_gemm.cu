@@ -5,6 +5,8 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "megamoe/error.hpp"
@@ -22,6 +24,11 @@ namespace {
 constexpr int64_t kDecodeMaxAvgRows = 16;
 // At or below 4 average rows, 8-row tiles (half the B bytes per stage; most experts get 1-3 rows).
 constexpr int64_t kDecode8MaxAvgRows = 4;
+// Average rows in (112, 166] (overlapped configs only): the 128 x 192 tiles (PrefillWide) hold an expert's rows in one
+// n-tile (uniform routing spreads counts by ~sqrt(avg), so ~1.15 x avg stays within 192) where
+// 256 x 128 tiles would split most experts into 128 + a small remainder.
+constexpr int64_t kWideMinAvgRows = 112;
+constexpr int64_t kWideMaxAvgRows = 166;
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -73,17 +80,56 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
+// MEGAMOE_SM90_GEMM_OVERLAP=1: kAuto picks among the overlapped-mainloop configs (opt-in).
+bool overlap_by_default() {
+  static const bool on = [] {
+    const char* v = std::getenv("MEGAMOE_SM90_GEMM_OVERLAP");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
 template <GemmKind kKind>
-void launch(const GemmParams& p, int64_t rows_bound, const uint16_t* b_rows, cudaStream_t stream) {
-  const int64_t rows = rows_bound > 0 ? std::min<int64_t>(rows_bound, p.max_rows) : p.max_rows;
-  const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
-  if (rows / active <= kDecode8MaxAvgRows) {
-    launch_config<Decode8Config, kKind>(p, b_rows, stream);
-  } else if (rows / active <= kDecodeMaxAvgRows) {
-    launch_config<DecodeConfig, kKind>(p, b_rows, stream);
-  } else {
-    launch_config<PrefillConfig, kKind>(p, b_rows, stream);
+void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16_t* b_rows,
+            cudaStream_t stream) {
+  if (tile == GemmTile::kAuto && overlap_by_default()) tile = GemmTile::kAutoOverlap;
+  if (tile == GemmTile::kAuto || tile == GemmTile::kAutoOverlap) {
+    const bool overlap = tile == GemmTile::kAutoOverlap;
+    const int64_t rows = rows_bound > 0 ? std::min<int64_t>(rows_bound, p.max_rows) : p.max_rows;
+    const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
+    const int64_t avg = rows / active;
+    if (avg <= kDecode8MaxAvgRows) {
+      tile = overlap ? GemmTile::kDecode8Overlap : GemmTile::kDecode8;
+    } else if (avg <= kDecodeMaxAvgRows) {
+      tile = overlap ? GemmTile::kDecode16Overlap : GemmTile::kDecode16;
+    } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
+      tile = GemmTile::kPrefillWideOverlap;
+    } else {
+      tile = overlap ? GemmTile::kPrefillOverlap : GemmTile::kPrefill;
+    }
   }
+  switch (tile) {
+    case GemmTile::kDecode8: launch_config<Decode8Config, kKind>(p, b_rows, stream); return;
+    case GemmTile::kDecode16: launch_config<DecodeConfig, kKind>(p, b_rows, stream); return;
+    case GemmTile::kPrefill: launch_config<PrefillConfig, kKind>(p, b_rows, stream); return;
+    case GemmTile::kDecode8Overlap:
+      launch_config<Decode8OverlapConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kDecode16Overlap:
+      launch_config<DecodeOverlapConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillOverlap:
+      launch_config<PrefillOverlapConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillWideOverlap:
+      launch_config<PrefillWideOverlapConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kAuto:
+    case GemmTile::kAutoOverlap:
+      break;
+  }
+  MEGAMOE_CHECK_ARG(false, "sm90 gemm: tile: expected a GemmTile value, got ",
+                    static_cast<int>(tile));
 }
 
 void check_common(const char* who, int num_experts, int64_t hidden, int64_t intermediate,
@@ -128,7 +174,7 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
   p.h_q = a.h_q;
   p.h_sf = a.h_sf;
   p.h_act = a.h_act;
-  launch<GemmKind::kL1>(p, a.rows_bound, a.act, stream);
+  launch<GemmKind::kL1>(p, a.rows_bound, a.tile, a.act, stream);
 }
 
 void launch_l2(const L2Args& a, cudaStream_t stream) {
@@ -150,7 +196,7 @@ void launch_l2(const L2Args& a, cudaStream_t stream) {
   p.bias = a.w2_bias;
   p.intermediate = static_cast<int>(a.intermediate);
   p.out = a.out;
-  launch<GemmKind::kL2>(p, a.rows_bound, a.h_act, stream);
+  launch<GemmKind::kL2>(p, a.rows_bound, a.tile, a.h_act, stream);
 }
 
 }  // namespace megamoe::sm90

@@ -36,6 +36,26 @@ namespace megamoe::sm90 {
 
 constexpr int64_t kRowSlack = 256;  // extra rows allocated after max_rows in every row buffer
 
+// Tile configuration of one launch (kernels/sm90/sm90_gemm_config.hpp). kAuto picks one from
+// rows_bound and the expert count; the others force one (tests and the micro-benchmark compare
+// them). Every choice computes the same function (FP32 sums of exact products; only the
+// summation order may differ between configurations).
+// The *Overlap configurations use the overlapped mainloop (next block's conversion during the
+// current wgmmas, one-multiply conversion) and are opt-in until validated and measured on an
+// H200: kAutoOverlap picks among them as kAuto does among the default ones, and the environment
+// variable MEGAMOE_SM90_GEMM_OVERLAP=1 (read once per process) makes kAuto behave as kAutoOverlap.
+enum class GemmTile : int {
+  kAuto = 0,
+  kDecode8 = 1,              // 64 weight rows x 8 token rows, 4 CTAs per SM
+  kDecode16 = 2,             // 64 x 16, 4 CTAs per SM
+  kPrefill = 3,              // 256 x up to 128
+  kAutoOverlap = 4,
+  kDecode8Overlap = 5,
+  kDecode16Overlap = 6,
+  kPrefillOverlap = 7,
+  kPrefillWideOverlap = 8,   // 128 x up to 192
+};
+
 struct L1Args {
   int num_experts = 0;                  // E_l
   int64_t hidden = 0;                   // H (reduction)
@@ -54,6 +74,7 @@ struct L1Args {
   uint8_t* h_q = nullptr;               // device e4m3 [max_rows, I]
   uint8_t* h_sf = nullptr;              // device ue8m0 [max_rows, I/32]
   uint16_t* h_act = nullptr;            // device bf16 [max_rows + kRowSlack, I]
+  GemmTile tile = GemmTile::kAuto;      // tile configuration (kAuto: chosen from rows_bound)
 };
 
 struct L2Args {
@@ -69,6 +90,7 @@ struct L2Args {
   const uint8_t* w2_sf = nullptr;       // device, sm90 prepared layout
   const uint16_t* w2_bias = nullptr;    // device bf16 [E_l, H], or nullptr
   uint16_t* out = nullptr;              // device bf16 [max_rows, H]
+  GemmTile tile = GemmTile::kAuto;      // as in L1Args
 };
 
 #if defined(MEGAMOE_WITH_CUDA)

@@ -179,8 +179,9 @@ double bf16_ulp(double v) {
   return std::ldexp(1.0, ex - 8);
 }
 
-void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias) {
-  SCOPED_TRACE(describe(p, "L2"));
+void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias,
+                 sm90::GemmTile tile = sm90::GemmTile::kAuto) {
+  SCOPED_TRACE(describe(p, "L2") + " tile=" + std::to_string(int(tile)));
   std::vector<uint8_t> pw2, psf2;
   prepare_all(Sm90Matrix::kW2, p, p.w2, p.w2_sf, pw2, psf2);
   Buffer d_off = to_device(p.offsets), d_h = to_device(p.h_in), d_rw = to_device(p.row_weights);
@@ -194,6 +195,7 @@ void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias) {
   a.rows_bound = rows_bound; a.row_offsets = d_off.as<int32_t>(); a.h_act = d_h.as<uint16_t>();
   a.row_weights = d_rw.as<float>(); a.w2 = d_w.as<uint8_t>(); a.w2_sf = d_sf.as<uint8_t>();
   a.w2_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.out = d_out.as<uint16_t>();
+  a.tile = tile;
   sm90::launch_l2(a, nullptr);
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
   const auto out = to_host<uint16_t>(d_out, max_rows * p.H);
@@ -229,8 +231,8 @@ void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias) {
   for (int64_t row = p.rows; row < max_rows; ++row)
     for (int64_t n = 0; n < p.H; ++n)
       ASSERT_EQ(out[row * p.H + n], uint16_t(kPoisonByte * 0x101)) << "row past the routed rows written";
-  printf("[sm90 L2] %s rows_bound=%lld bias=%d: max |gpu-ref| / bound = %.3f\n",
-         describe(p, "").c_str(), (long long)rows_bound, int(with_bias), worst);
+  printf("[sm90 L2] %s rows_bound=%lld tile=%d bias=%d: max |gpu-ref| / bound = %.3f\n",
+         describe(p, "").c_str(), (long long)rows_bound, int(tile), int(with_bias), worst);
   EXPECT_EQ(bad, 0);
 }
 
@@ -243,8 +245,8 @@ bool neighbour_codes(uint8_t a, uint8_t b) {
 }
 
 void run_l1_case(const Problem& p, int64_t rows_bound, const Activation& act, bool fast_math,
-                 bool with_bias) {
-  SCOPED_TRACE(describe(p, "L1") + " act=" + std::to_string(int(act.kind)) +
+                 bool with_bias, sm90::GemmTile tile = sm90::GemmTile::kAuto) {
+  SCOPED_TRACE(describe(p, "L1") + " tile=" + std::to_string(int(tile)) + " act=" + std::to_string(int(act.kind)) +
                " fast_math=" + std::to_string(fast_math));
   std::vector<uint8_t> pw, psf;
   prepare_all(Sm90Matrix::kW13, p, p.w13, p.w13_sf, pw, psf);
@@ -266,6 +268,7 @@ void run_l1_case(const Problem& p, int64_t rows_bound, const Activation& act, bo
   a.w13_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.activation = act;
   a.fast_math = fast_math; a.h_q = d_hq.as<uint8_t>(); a.h_sf = d_hsf.as<uint8_t>();
   a.h_act = d_hact.as<uint16_t>();
+  a.tile = tile;
   sm90::launch_l1(a, nullptr);
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
   const auto hq = to_host<uint8_t>(d_hq, max_rows * I);
@@ -370,6 +373,49 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
   run_l2_case(p, p.rows, false);
 }
 
+constexpr sm90::GemmTile kForcedTiles[] = {
+    sm90::GemmTile::kDecode8,         sm90::GemmTile::kDecode16,
+    sm90::GemmTile::kPrefill,         sm90::GemmTile::kDecode8Overlap,
+    sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kPrefillOverlap,
+    sm90::GemmTile::kPrefillWideOverlap};
+
+// Every tile configuration forced on the same problems (kAuto picks only some of them here):
+// empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
+// (H = 320: 5, I = 192: 3), bias, all compared to the same reference.
+TEST(Sm90Gemm, EveryTileConfig) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 513, 3, 130, 250}, true, 8);
+  const Problem q = make_problem(320, 192, {5, 0, 200, 17, 300}, true, 9);
+  for (const sm90::GemmTile tile : kForcedTiles) {
+    run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile);
+    run_l2_case(p, p.rows, true, tile);
+    run_l1_case(q, 1, Activation::situ(4.0f, 25.0f), false, false, tile);
+    run_l2_case(q, 1, false, tile);
+  }
+}
+
+// Scale bytes on both sides of 128: in the overlapped configs, warps whose scales are all < 128
+// take the one-multiply conversion, the others the two-multiply one (weights up to 6 x 2^18).
+TEST(Sm90Gemm, ScalesAboveAndBelow128) {
+  SKIP_WITHOUT_SM90();
+  Problem p = make_problem(512, 256, {3, 40, 150}, false, 10);
+  std::mt19937 rng(11);
+  auto respread = [&](std::vector<uint8_t>& sf, int64_t n, int64_t k) {
+    const int64_t groups = k / 32;
+    for (int64_t i = 0; i < static_cast<int64_t>(sf.size()); ++i) {
+      const int64_t row = (i / groups) % n;
+      // rows 0..15 of every 32: 110..145; rows 16..31: 110..127
+      sf[i] = static_cast<uint8_t>(110 + rng() % ((row / 16) % 2 == 0 ? 36 : 18));
+    }
+  };
+  respread(p.w13_sf, 2 * p.I, p.H);
+  respread(p.w2_sf, p.H, p.I);
+  for (const sm90::GemmTile tile : kForcedTiles) {
+    run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
+    run_l2_case(p, p.rows, false, tile);
+  }
+}
+
 TEST(Sm90Gemm, Rows4096OneExpert) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {4096, 0, 1}, false, 7);
@@ -463,7 +509,17 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
       a2.num_experts = int(s.E); a2.hidden = s.H; a2.intermediate = s.I; a2.max_rows = max_rows;
       a2.rows_bound = rows; a2.h_act = hact.as<uint16_t>(); a2.row_weights = d_rw.as<float>();
       a2.w2 = w2.as<uint8_t>(); a2.w2_sf = w2sf.as<uint8_t>(); a2.out = out.as<uint16_t>();
+      // kAuto is what the layer runs; kAutoOverlap the opt-in overlapped configs; at T >= 512
+      // both overlapped prefill tiles are also timed forced (tile numbers: sm90::GemmTile).
+      std::vector<sm90::GemmTile> variants = {sm90::GemmTile::kAuto, sm90::GemmTile::kAutoOverlap};
+      if (T >= 512) {
+        variants.push_back(sm90::GemmTile::kPrefillOverlap);
+        variants.push_back(sm90::GemmTile::kPrefillWideOverlap);
+      }
+      for (const sm90::GemmTile tile : variants)
       for (int which = 0; which < 2; ++which) {
+        a1.tile = tile;
+        a2.tile = tile;
         auto launch = [&](int it) {
           if (which == 0) { a1.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l1(a1, nullptr); }
           else { a2.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l2(a2, nullptr); }
@@ -484,8 +540,8 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         const double k_red = which == 0 ? double(s.H) : double(s.I);
         const double wbytes = active_avg * n_rows * k_red * (0.5 + 1.0 / 32);
         const double flops = 2.0 * rows * n_rows * k_red;
-        printf("[bench] %-11s T=%5d %s rows=%6lld experts=%6.1f  median %9.1f us (min %9.1f)  %7.1f TFLOP/s  weights %6.0f GB/s\n",
-               s.name, T, which == 0 ? "L1" : "L2", (long long)rows, active_avg, med, mn,
+        printf("[bench] %-11s T=%5d %s tile=%d rows=%6lld experts=%6.1f  median %9.1f us (min %9.1f)  %7.1f TFLOP/s  weights %6.0f GB/s\n",
+               s.name, T, which == 0 ? "L1" : "L2", int(tile), (long long)rows, active_avg, med, mn,
                flops / (med * 1e-6) / 1e12, wbytes / (med * 1e-6) / 1e9);
       }
     }
