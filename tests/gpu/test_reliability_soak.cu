@@ -17,7 +17,8 @@
 //                                      bytes nor the driver's free memory may have changed.
 //   ReliabilitySanitize.SmallLayer     a short fixed driver for compute-sanitizer (memcheck,
 //                                      racecheck, synccheck): each activation, both math modes,
-//                                      T = 0, 1, 7, 40, an invalid expert id, on the small shape.
+//                                      T = 0, 1, 7, 40, invalid expert ids (reported by
+//                                      MoeLayer::check_errors, never read), on the small shape.
 //
 // Both skip with a printed reason where there is no sm_90 GPU.
 #include <cuda_runtime.h>
@@ -338,7 +339,7 @@ TEST(ReliabilitySoak, ManyLayerCalls) {
         if (!bad.empty()) record_failure(what + ": vs the CPU reference: " + bad);
       }
       if (calls % kSyncInterval == 0) {
-        MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+        l.layer->check_errors(stream);  // synchronizes; no invalid id was given, so must not throw
         const std::string err = cuda_last_error();
         if (!err.empty()) record_failure(what + ": CUDA error " + err);
       }
@@ -433,16 +434,25 @@ TEST(ReliabilitySanitize, SmallLayer) {
   test::DeviceArray<int32_t> didx(r.idx);
   test::DeviceArray<float> dw(r.weights);
   const Device dev = layer.device();
-  try {
+  auto call = [&] {
     layer.forward(TensorView::contiguous(dx.get(), DType::kBF16, {t, h}, dev),
                   TensorView::contiguous(didx.get(), DType::kI32, {t, k}, dev),
                   TensorView::contiguous(dw.get(), DType::kF32, {t, k}, dev),
                   TensorView::contiguous(dy.get(), DType::kBF16, {t, h}, dev));
+    layer.check_errors(nullptr);
+  };
+  try {
+    call();
+    ADD_FAILURE() << "invalid expert ids were not reported by check_errors";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kOutOfRange) << e.what();
+    EXPECT_NE(std::string(e.what()).find("topk_idx"), std::string::npos) << e.what();
   }
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(cuda_last_error(), "");
+  // The record was cleared: a clean call afterwards reports nothing.
+  didx.upload(test::make_routing(test::Routing::kUniform, t, base.shape.num_experts, k, 9).idx);
+  call();
 }
 
 }  // namespace
