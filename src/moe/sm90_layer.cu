@@ -273,7 +273,9 @@ class Sm90Backend final : public LayerBackend {
 
   // Synchronizes `stream` and throws kOutOfRange for invalid expert ids seen since the last
   // check (see Sm90Layer::check_errors).
-  void check_errors(void* stream) { layer_.check_errors(static_cast<cudaStream_t>(stream)); }
+  void check_errors(void* stream) override {
+    layer_.check_errors(static_cast<cudaStream_t>(stream));
+  }
 
  private:
   sm90::Sm90Layer layer_;
