@@ -117,7 +117,8 @@ int run_model(const ModelCmdOptions& o) {
 
 }  // namespace
 
-// Declares the options of `megamoe model` on `app` (also used by `megamoe run`'s default).
+int run_default_model() { return run_model(ModelCmdOptions{}); }
+
 CommandMain setup_model_command(CLI::App& app) {
   auto o = std::make_shared<ModelCmdOptions>();
   app.add_option("--model", o->model_dir,
