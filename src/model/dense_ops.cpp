@@ -83,7 +83,7 @@ RopeTable::RopeTable(int64_t head_dim_, int64_t max_pos_, double theta)
   }
 }
 
-void apply_rope(float* x, int64_t n, int64_t heads, const int64_t* positions,
+void apply_rope(float* x, int64_t n, int64_t row_stride, int64_t heads, const int64_t* positions,
                 const RopeTable& table) {
   const int64_t hd = table.head_dim, half = hd / 2;
   for (int64_t i = 0; i < n; ++i)
@@ -94,7 +94,7 @@ void apply_rope(float* x, int64_t n, int64_t heads, const int64_t* positions,
     const float* c = table.cos.data() + positions[i] * half;
     const float* s = table.sin.data() + positions[i] * half;
     for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + (i * heads + h) * hd;
+      float* v = x + i * row_stride + h * hd;
       for (int64_t k = 0; k < half; ++k) {
         const float x1 = v[k], x2 = v[k + half];
         v[k] = x1 * c[k] - x2 * s[k];

@@ -17,13 +17,13 @@ void linear(const float* x, int64_t n, int64_t in, const float* w, int64_t out, 
 void rms_norm(const float* x, int64_t n, int64_t d, const float* weight, double eps, float* y);
 
 // Rotary embedding, half-split form (x[i] pairs with x[i + hd/2]), in place on every head of
-// every row: x[n, heads * hd], positions[n]. cos/sin tables: [max_pos, hd/2].
+// every row: row r is x[r * row_stride, + heads * hd), positions[n]. cos/sin: [max_pos, hd/2].
 struct RopeTable {
   int64_t head_dim = 0, max_pos = 0;
   std::vector<float> cos, sin;
   RopeTable(int64_t head_dim, int64_t max_pos, double theta);
 };
-void apply_rope(float* x, int64_t n, int64_t heads, const int64_t* positions,
+void apply_rope(float* x, int64_t n, int64_t row_stride, int64_t heads, const int64_t* positions,
                 const RopeTable& table);
 
 // SiTU on FP32 gate/up pairs (numerics.md section 4 with exact exp):

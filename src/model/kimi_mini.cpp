@@ -317,14 +317,8 @@ void KimiMiniModel::Impl::forward(std::vector<Seq*>& seqs, const std::vector<int
     dense::rms_norm(x.data(), n, d, L.input_norm.data(), cfg.rms_norm_eps, hn.data());
     dense::linear(hn.data(), n, d, L.wqkv.data(), 3 * d, qkv.data());
     // RoPE on q and k of each row (rows are [q | k | v], each d wide)
-    for (int part = 0; part < 2; ++part) {
-      std::vector<float> tmp(static_cast<size_t>(n * d));
-      for (int64_t i = 0; i < n; ++i)
-        std::memcpy(&tmp[i * d], &qkv[i * 3 * d + part * d], d * sizeof(float));
-      dense::apply_rope(tmp.data(), n, cfg.n_heads, positions.data(), *rope);
-      for (int64_t i = 0; i < n; ++i)
-        std::memcpy(&qkv[i * 3 * d + part * d], &tmp[i * d], d * sizeof(float));
-    }
+    dense::apply_rope(qkv.data(), n, 3 * d, cfg.n_heads, positions.data(), *rope);
+    dense::apply_rope(qkv.data() + d, n, 3 * d, cfg.n_heads, positions.data(), *rope);
     for (int64_t i = 0; i < n; ++i) {  // keys and values into each sequence's cache
       Seq& s = *seqs[static_cast<size_t>(seq_of_token[i])];
       std::memcpy(&s.k[l][positions[i] * d], &qkv[i * 3 * d + d], d * sizeof(float));
