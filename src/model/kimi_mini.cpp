@@ -289,6 +289,7 @@ void KimiMiniModel::Impl::moe(int64_t layer, const float* h, int64_t n, float* o
                    TensorView::contiguous(io.y.data(), DType::kBF16, {n, H}, device));
     // copy_bytes runs on the legacy default stream, after the layer's work on it
     copy_bytes(yb.data(), Device::cpu(), io.y.data(), device, xb);
+    L.moe->check_errors();  // expert ids the device rejected, if any (never expected here)
   }
   for (size_t i = 0; i < z.size(); ++i) z[i] = bf16_to_f32(yb[i]);
   dense::rms_norm(z.data(), n, H, L.routed_norm.data(), cfg.rms_norm_eps, z.data());
