@@ -48,10 +48,14 @@ struct GemmParams {
 // kOverlapConvert selects the mainloop (sm90_gemm_mainloop.cuh): false = serial per stage (the
 // validated default), true = the next block's conversion overlaps the current wgmmas, with the
 // one-multiply conversion when the scales allow (opt-in until measured on an H200).
+// kStagedEpilogue (L1 only): the accumulators of one 64-row block go through shared memory and
+// a rolled loop does the activation and requantization with 8/16-byte stores (sm90_gemm_epilogue
+// .cuh, epilogue_l1_staged); opt-in until measured.
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
-          int kMinBlocksPerSM_, bool kOverlapConvert_ = false>
+          int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
+  static constexpr bool kStagedEpilogue = kStagedEpilogue_;
   static constexpr int kNumMathWG = kNumMathWG_;
   static constexpr int kMBlocksPerWG = kMBlocksPerWG_;
   static constexpr int kMBlocksPerCta = kNumMathWG * kMBlocksPerWG;
@@ -86,7 +90,14 @@ struct GemmConfig {
   static constexpr size_t kOffBars = kOffSf + static_cast<size_t>(kNumStages) * kSmemSfBytes;
   static constexpr size_t kOffAmax = kOffBars + 2 * kNumStages * sizeof(uint64_t);
   static constexpr size_t kAmaxBytes = static_cast<size_t>(kNumMathWG) * 4 * kBlockN * sizeof(float);
-  static constexpr size_t kOffSchedule = kOffAmax + kAmaxBytes;
+  // Staged L1 epilogue: per math warpgroup one 64-row block as [BLOCK_N][kStagePitch] floats.
+  // NOTES: pitch 68 (not 64): the fragment writes (lanes g -> consecutive rows, t -> columns two
+  // apart) hit 32 distinct banks, and 68 x 4 bytes keeps 16-byte aligned row reads.
+  static constexpr int kStagePitch = 68;
+  static constexpr size_t kOffStage = kOffAmax + kAmaxBytes;
+  static constexpr size_t kStageBytes =
+      kStagedEpilogue ? static_cast<size_t>(kNumMathWG) * kBlockN * kStagePitch * sizeof(float) : 0;
+  static constexpr size_t kOffSchedule = kOffStage + kStageBytes;
   static constexpr size_t kAlignSlack = 1024;  // the dynamic smem base is re-aligned to 1024
 
   static constexpr size_t smem_bytes(int num_experts) {
@@ -96,6 +107,7 @@ struct GemmConfig {
   static_assert(kBlockN % 8 == 0 && kBlockN <= 256, "wgmma N is a multiple of 8, at most 256");
   static_assert(kBlockN % kNStep == 0 && kNStep % 8 == 0, "N steps must tile BLOCK_N");
   static_assert(kSmemBBytes % 1024 == 0, "each B stage must stay 1024-aligned (128B swizzle)");
+  static_assert(kOffStage % 16 == 0, "staging rows are read 16 bytes at a time");
   static_assert(kOffA % 1024 == 0 && kOffSf % 16 == 0 && kOffBars % 8 == 0,
                 "bulk copy destinations 16-aligned, barriers 8-aligned");
   static_assert(kNumMathWG * 4 <= 15, "named barriers 1..kNumMathWG");
@@ -129,5 +141,10 @@ using Decode8OverlapConfig = GemmConfig<1, 1, 8, 8, 10, 4, true>;
 using DecodeOverlapConfig = GemmConfig<1, 1, 16, 8, 10, 4, true>;
 using PrefillOverlapConfig = GemmConfig<2, 2, 128, 16, 7, 1, true>;
 using PrefillWideOverlapConfig = GemmConfig<2, 1, 192, 16, 7, 1, true>;
+//   PrefillStaged: Prefill tiles, overlapped mainloop, staged L1 epilogue; 5 stages (the staging
+//            area takes 68 KiB). NOTES: the unrolled register epilogue of Prefill L1 is ~20K
+//            straight-line instructions per tile executed once (icache misses) and takes about
+//            as long as the mainloop; the staged one is a short rolled loop.
+using PrefillStagedConfig = GemmConfig<2, 2, 128, 16, 5, 1, true, true>;
 
 }  // namespace megamoe::sm90

@@ -99,6 +99,109 @@ __device__ __forceinline__ void epilogue_l1(const GemmParams& p, const TileInfo&
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // amax_wg is reused next
 }
 
+// Staged L1 epilogue (Cfg::kStagedEpilogue): same function as epilogue_l1, element for element
+// (the same expressions: bias add, BF16 rounding, activation, row weight, group amax, scale,
+// E4M3 code, dequantized BF16), organised for a short instruction stream and wide stores:
+//   1. the warpgroup writes its m64 x N accumulators of block mblk to shared memory
+//      ([col][kStagePitch] floats, prepared row r of the block at index r);
+//   2. a rolled loop gives each column (token row) to 4 consecutive threads, thread k4 taking
+//      the channels c = 8 k4 .. 8 k4 + 7 of the group (gate = prepared row 16 k4 + e, up =
+//      16 k4 + 8 + e): two 16-byte reads each, the group amax by two quad shuffles, and one
+//      8-byte h_q store, one 16-byte h_act store per thread (h_sf by k4 == 0).
+// Called by all 128 threads of the warpgroup (named barrier 1 + wg).
+template <class Cfg, ActivationKind kKind>
+__device__ __forceinline__ void epilogue_l1_staged(const GemmParams& p, const TileInfo& tile,
+                                                   int mblk, const float (&acc)[Cfg::kBlockN / 2],
+                                                   float* smem_stage, int wg, int tid) {
+  constexpr int kPitch = Cfg::kStagePitch;
+  constexpr int kChunk = 8;                                     // channels per thread
+  constexpr int kThreadsPerCol = kChannelsPerGroup / kChunk;    // 4
+  constexpr int kColsPerPass = Cfg::kWarpgroupThreads / kThreadsPerCol;  // 32
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int I = p.intermediate;
+  Activation act = p.activation;
+  act.kind = kKind;
+  float* stage = smem_stage + static_cast<size_t>(wg) * Cfg::kBlockN * kPitch;
+
+  // 1. accumulators -> shared memory (all N columns; columns past num_rows are never read).
+#pragma unroll
+  for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = 8 * i + 2 * t + h;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        stage[col * kPitch + 16 * warp + g + 8 * half] = acc[4 * i + 2 * half + h];
+      }
+    }
+  }
+  ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
+
+  // 2. per column: 4 threads x 8 channels.
+  const int k4 = tid % kThreadsPerCol;
+  const int j0 = mblk * kChannelsPerGroup + k4 * kChunk;  // first channel of this thread
+  float bias_gate[kChunk], bias_up[kChunk];
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) {
+    bias_gate[e] = 0.0f;
+    bias_up[e] = 0.0f;
+  }
+  if (p.bias != nullptr) {
+    const uint16_t* b = p.bias + static_cast<int64_t>(tile.expert) * 2 * I + j0;
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) {
+      bias_gate[e] = bf16_to_f32(b[e]);
+      bias_up[e] = bf16_to_f32(b[I + e]);
+    }
+  }
+  for (int col = tid / kThreadsPerCol; col < tile.num_rows; col += kColsPerPass) {
+    const float* src = stage + col * kPitch + 16 * k4;
+    const float4 g0 = *reinterpret_cast<const float4*>(src);
+    const float4 g1 = *reinterpret_cast<const float4*>(src + 4);
+    const float4 u0 = *reinterpret_cast<const float4*>(src + 8);
+    const float4 u1 = *reinterpret_cast<const float4*>(src + 12);
+    const float gate_acc[kChunk] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+    const float up_acc[kChunk] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+    const int64_t row = tile.row0 + col;
+    const float rw = __ldg(p.row_weights + row);
+    float v[kChunk];
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) {
+      const float gate = bf16_round(gate_acc[e] + bias_gate[e]);
+      const float up = bf16_round(up_acc[e] + bias_up[e]);
+      v[e] = apply_activation(act, gate, up, p.fast_math) * rw;
+    }
+    // fmaxf over the group's 32 |v| (NaN ignored unless all are NaN, as in epilogue_l1).
+    float amax = fabsf(v[0]);
+#pragma unroll
+    for (int e = 1; e < kChunk; ++e) amax = fmaxf(amax, fabsf(v[e]));
+    // The 4 threads of a column are consecutive lanes of one quad. Lanes whose column is past
+    // num_rows have left the loop: the mask names the lanes of this pass that are in it.
+    const int first_col = col - lane / kThreadsPerCol;  // column of lane 0 in this pass
+    const int active_lanes = min(32, kThreadsPerCol * (tile.num_rows - first_col));
+    const unsigned mask = active_lanes >= 32 ? 0xFFFFFFFFu : (1u << active_lanes) - 1u;
+    amax = fmaxf(amax, __shfl_xor_sync(mask, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(mask, amax, 2));
+    const int b = intermediate_scale_exponent(amax);
+    const float unscale = exp2i(b - kUe8m0Bias);
+    uint32_t q_words[2] = {0u, 0u};
+    uint32_t act_words[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) {
+      const uint8_t q = e4m3_quantize_scaled(v[e], b);
+      const uint16_t a = bf16_from_f32(e4m3_to_f32(q) * unscale);
+      q_words[e / 4] |= static_cast<uint32_t>(q) << (8 * (e % 4));
+      act_words[e / 2] |= static_cast<uint32_t>(a) << (16 * (e % 2));
+    }
+    const int64_t base = row * I + j0;
+    *reinterpret_cast<uint2*>(p.h_q + base) = make_uint2(q_words[0], q_words[1]);
+    *reinterpret_cast<uint4*>(p.h_act + base) =
+        make_uint4(act_words[0], act_words[1], act_words[2], act_words[3]);
+    if (k4 == 0) p.h_sf[row * (I / kChannelsPerGroup) + mblk] = static_cast<uint8_t>(b);
+  }
+  ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // the staging area is reused next
+}
+
 template <class Cfg>
 __device__ __forceinline__ void epilogue_l2(const GemmParams& p, const TileInfo& tile, int mblk,
                                             const float (&acc)[Cfg::kBlockN / 2], int tid) {

@@ -49,6 +49,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   uint64_t* full_bars = reinterpret_cast<uint64_t*>(smem + Cfg::kOffBars);
   uint64_t* empty_bars = full_bars + Cfg::kNumStages;
   float* smem_amax = reinterpret_cast<float*>(smem + Cfg::kOffAmax);
+  float* smem_stage = reinterpret_cast<float*>(smem + Cfg::kOffStage);  // staged L1 epilogue
   int32_t* s_offsets = reinterpret_cast<int32_t*>(smem + Cfg::kOffSchedule);
   int32_t* s_prefix = s_offsets + (p.num_experts + 1);
 
@@ -127,7 +128,19 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
         if (!valid[sub]) continue;
         const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
-        if constexpr (kKind == GemmKind::kL1) {
+        if constexpr (kKind == GemmKind::kL1 && Cfg::kStagedEpilogue) {
+          switch (p.activation.kind) {
+            case ActivationKind::kSwiglu:
+              epilogue_l1_staged<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+              break;
+            case ActivationKind::kSitu:
+              epilogue_l1_staged<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+              break;
+            case ActivationKind::kSwigluOai:
+              epilogue_l1_staged<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+              break;
+          }
+        } else if constexpr (kKind == GemmKind::kL1) {
           switch (p.activation.kind) {
             case ActivationKind::kSwiglu:
               epilogue_l1<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);

@@ -124,6 +124,9 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     case GemmTile::kPrefillWideOverlap:
       launch_config<PrefillWideOverlapConfig, kKind>(p, b_rows, stream);
       return;
+    case GemmTile::kPrefillStaged:
+      launch_config<PrefillStagedConfig, kKind>(p, b_rows, stream);
+      return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
       break;
@@ -158,6 +161,13 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
                     "pointers, got a null one");
   MEGAMOE_CHECK_ARG(a.activation.kind != ActivationKind::kSitu || !a.activation.has_clamp,
                     "launch_l1: activation: situ takes no clamp");
+  // The staged epilogue stores 8 bytes of h_q and 16 of h_act at a time.
+  MEGAMOE_CHECK_ARG(a.tile != GemmTile::kPrefillStaged ||
+                        (reinterpret_cast<uintptr_t>(a.h_q) % 8 == 0 &&
+                         reinterpret_cast<uintptr_t>(a.h_act) % 16 == 0),
+                    "launch_l1: h_q / h_act: expected 8- / 16-byte aligned pointers for tile "
+                    "kPrefillStaged, got ", static_cast<const void*>(a.h_q), " / ",
+                    static_cast<const void*>(a.h_act));
   GemmParams p;
   p.num_experts = a.num_experts;
   p.k = static_cast<int>(a.hidden);

@@ -54,6 +54,7 @@ enum class GemmTile : int {
   kDecode16Overlap = 6,
   kPrefillOverlap = 7,
   kPrefillWideOverlap = 8,   // 128 x up to 192
+  kPrefillStaged = 9,        // kPrefillOverlap + L1 epilogue staged through shared memory
 };
 
 struct L1Args {
