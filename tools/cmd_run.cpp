@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -46,6 +47,30 @@ struct RunOptions {
   bool json = false;
 };
 
+// NOTES: T x H BF16 inputs plus the FP64 reference output are allocated on the host; 2^24 tokens
+// (already 512 GiB of reference output at H = 3584) is far past any machine and keeps sizes in
+// int64 range, so a larger --tokens is refused by name instead of failing in the allocator.
+constexpr int64_t kMaxTokens = int64_t{1} << 24;
+constexpr int kMaxCount = 1 << 20;  // --threads
+
+const CLI::Validator kFiniteNonNegative(
+    [](std::string& text) -> std::string {
+      char* end = nullptr;
+      const double v = std::strtod(text.c_str(), &end);
+      if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v < 0)
+        return "must be a finite number >= 0, got '" + text + "'";
+      return {};
+    },
+    "FINITE>=0");
+
+const CLI::Validator kUnsignedInteger(
+    [](std::string& text) -> std::string {
+      if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos)
+        return "must be an unsigned integer, got '" + text + "'";
+      return {};
+    },
+    "UINT");
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -80,6 +105,10 @@ int run(const RunOptions& o) {
   cfg.ep_size = o.ep_size;
   cfg.ep_rank = o.ep_rank;
   MEGAMOE_CHECK_ARG(o.tokens >= 0, "--tokens must be >= 0, got ", o.tokens);
+  MEGAMOE_CHECK_ARG(o.tokens <= kMaxTokens && o.capacity <= kMaxTokens, "--tokens and --capacity must be <= ",
+                    kMaxTokens, ", got ", std::max(o.tokens, o.capacity));
+  MEGAMOE_CHECK_ARG(o.threads >= 0 && o.threads <= kMaxCount, "--threads must be in [0, ", kMaxCount,
+                    "] (0 = all cores), got ", o.threads);
   cfg.max_tokens_per_rank = o.capacity > 0 ? o.capacity : std::max<int64_t>(o.tokens, 1);
   cfg.validate();
   MEGAMOE_CHECK_ARG(o.bias == "auto" || o.bias == "on" || o.bias == "off",
@@ -264,6 +293,7 @@ const Command kRun{
       app.add_flag("--exact", o->exact,
                    "fast_math off: exact expf and division in the activation (default: fast_math on)");
       app.add_option("--seed", o->seed, "Seed of weights, routing and activations")
+          ->check(kUnsignedInteger)
           ->capture_default_str();
       app.add_option("--ep-size", o->ep_size, "Expert-parallel ranks R (must divide E)")
           ->capture_default_str();
@@ -286,6 +316,7 @@ const Command kRun{
       app.add_flag("--no-check", o->no_check, "Skip the FP64 ideal comparison (large shapes)");
       app.add_option("--max-diff", o->max_diff,
                      "Fail (exit 3) when diff, worst-row or worst-expert diff exceeds this")
+          ->check(kFiniteNonNegative)
           ->capture_default_str();
       app.add_flag("--json", o->json, "Print one JSON object instead of text");
       return [o] { return run(*o); };

@@ -23,6 +23,7 @@ constexpr int kExitError = 1;
 constexpr int kExitCheckFailed = 3;
 constexpr int kCli11RequiredError = 106;
 constexpr int kCli11ConversionError = 104;
+constexpr int kCli11ValidationError = 105;  // CLI::ValidationError
 constexpr int kCli11ExtrasError = 109;
 constexpr int kCli11ArgumentMismatch = 114;
 
@@ -101,6 +102,12 @@ TEST_F(ReliabilityCli, BadOptionsExitWithTheSpecificError) {
       {"run --bias maybe", kExitError, "--bias: expected auto, on or off, got 'maybe'"},
       {"run --iters 0", kExitError, "--iters must be >= 1"},
       {"run --warmup -1", kExitError, "--warmup >= 0"},
+      // C11-C12: sizes and numbers that used to reach the allocator or wrap around.
+      {"run --tokens 99999999999999", kExitError,
+       "--tokens and --capacity must be <= 16777216, got 99999999999999"},
+      {"run --threads -3", kExitError, "--threads must be in [0, 1048576] (0 = all cores), got -3"},
+      {"run --max-diff nan", kCli11ValidationError, "--max-diff: must be a finite number >= 0, got 'nan'"},
+      {"run --seed -1", kCli11ValidationError, "--seed: must be an unsigned integer, got '-1'"},
   };
   for (const BadOption& c : cases) {
     SCOPED_TRACE(std::string("megamoe ") + c.args);
