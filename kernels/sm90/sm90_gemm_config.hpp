@@ -90,13 +90,15 @@ struct GemmConfig {
   static constexpr size_t kOffBars = kOffSf + static_cast<size_t>(kNumStages) * kSmemSfBytes;
   static constexpr size_t kOffAmax = kOffBars + 2 * kNumStages * sizeof(uint64_t);
   static constexpr size_t kAmaxBytes = static_cast<size_t>(kNumMathWG) * 4 * kBlockN * sizeof(float);
-  // Staged L1 epilogue: per math warpgroup one 64-row block as [BLOCK_N][kStagePitch] floats.
-  // NOTES: pitch 68 (not 64): the fragment writes (lanes g -> consecutive rows, t -> columns two
-  // apart) hit 32 distinct banks, and 68 x 4 bytes keeps 16-byte aligned row reads.
-  static constexpr int kStagePitch = 68;
+  // Staged L1 epilogue: per math warpgroup one 64-row block as [BLOCK_N][kStagePitch] BF16.
+  // NOTES: pitch 72 (not 64): the fragment writes (lanes g -> consecutive rows, t -> columns two
+  // apart, 144 words) spread over 16 banks without conflicts, and 144-byte rows keep the
+  // 16-byte reads aligned.
+  static constexpr int kStagePitch = 72;
   static constexpr size_t kOffStage = kOffAmax + kAmaxBytes;
   static constexpr size_t kStageBytes =
-      kStagedEpilogue ? static_cast<size_t>(kNumMathWG) * kBlockN * kStagePitch * sizeof(float) : 0;
+      kStagedEpilogue ? static_cast<size_t>(kNumMathWG) * kBlockN * kStagePitch * sizeof(uint16_t)
+                      : 0;
   static constexpr size_t kOffSchedule = kOffStage + kStageBytes;
   static constexpr size_t kAlignSlack = 1024;  // the dynamic smem base is re-aligned to 1024
 
@@ -141,10 +143,12 @@ using Decode8OverlapConfig = GemmConfig<1, 1, 8, 8, 10, 4, true>;
 using DecodeOverlapConfig = GemmConfig<1, 1, 16, 8, 10, 4, true>;
 using PrefillOverlapConfig = GemmConfig<2, 2, 128, 16, 7, 1, true>;
 using PrefillWideOverlapConfig = GemmConfig<2, 1, 192, 16, 7, 1, true>;
-//   PrefillStaged: Prefill tiles, overlapped mainloop, staged L1 epilogue; 5 stages (the staging
-//            area takes 68 KiB). NOTES: the unrolled register epilogue of Prefill L1 is ~20K
-//            straight-line instructions per tile executed once (icache misses) and takes about
+//   PrefillStaged / PrefillWideStaged: the Prefill / PrefillWide tiles with the overlapped
+//            mainloop and the staged L1 epilogue (36 / 54 KiB of BF16 staging; 7 / 5 stages).
+//            NOTES: the unrolled register epilogue of Prefill L1 is ~20K straight-line
+//            instructions per tile, executed once (instruction-cache misses), and takes about
 //            as long as the mainloop; the staged one is a short rolled loop.
-using PrefillStagedConfig = GemmConfig<2, 2, 128, 16, 5, 1, true, true>;
+using PrefillStagedConfig = GemmConfig<2, 2, 128, 16, 7, 1, true, true>;
+using PrefillWideStagedConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true>;
 
 }  // namespace megamoe::sm90

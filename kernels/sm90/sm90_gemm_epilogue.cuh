@@ -102,17 +102,18 @@ __device__ __forceinline__ void epilogue_l1(const GemmParams& p, const TileInfo&
 // Staged L1 epilogue (Cfg::kStagedEpilogue): same function as epilogue_l1, element for element
 // (the same expressions: bias add, BF16 rounding, activation, row weight, group amax, scale,
 // E4M3 code, dequantized BF16), organised for a short instruction stream and wide stores:
-//   1. the warpgroup writes its m64 x N accumulators of block mblk to shared memory
-//      ([col][kStagePitch] floats, prepared row r of the block at index r);
+//   1. each thread adds the bias to its accumulators and rounds them to BF16 (g and u as
+//      epilogue_l1 computes them) and writes them to shared memory ([col][kStagePitch] BF16,
+//      prepared row r of the block at index r);
 //   2. a rolled loop gives each column (token row) to 4 consecutive threads, thread k4 taking
 //      the channels c = 8 k4 .. 8 k4 + 7 of the group (gate = prepared row 16 k4 + e, up =
-//      16 k4 + 8 + e): two 16-byte reads each, the group amax by two quad shuffles, and one
-//      8-byte h_q store, one 16-byte h_act store per thread (h_sf by k4 == 0).
+//      16 k4 + 8 + e): two 16-byte reads, the group amax by two quad shuffles, and one 8-byte
+//      h_q store and one 16-byte h_act store per thread (h_sf by k4 == 0).
 // Called by all 128 threads of the warpgroup (named barrier 1 + wg).
 template <class Cfg, ActivationKind kKind>
 __device__ __forceinline__ void epilogue_l1_staged(const GemmParams& p, const TileInfo& tile,
                                                    int mblk, const float (&acc)[Cfg::kBlockN / 2],
-                                                   float* smem_stage, int wg, int tid) {
+                                                   uint16_t* smem_stage, int wg, int tid) {
   constexpr int kPitch = Cfg::kStagePitch;
   constexpr int kChunk = 8;                                     // channels per thread
   constexpr int kThreadsPerCol = kChannelsPerGroup / kChunk;    // 4
@@ -121,18 +122,24 @@ __device__ __forceinline__ void epilogue_l1_staged(const GemmParams& p, const Ti
   const int I = p.intermediate;
   Activation act = p.activation;
   act.kind = kKind;
-  float* stage = smem_stage + static_cast<size_t>(wg) * Cfg::kBlockN * kPitch;
+  uint16_t* stage = smem_stage + static_cast<size_t>(wg) * Cfg::kBlockN * kPitch;
 
-  // 1. accumulators -> shared memory (all N columns; columns past num_rows are never read).
+  // 1. g, u = bf16(acc + bias) -> shared memory (all N columns; those past num_rows are never
+  //    read). Rows g / g + 8 of warp w are gate / up of channel j (sm90 interleave).
+  const int j = mblk * kChannelsPerGroup + warp * 8 + g;
+  float bias_gate = 0.0f, bias_up = 0.0f;
+  if (p.bias != nullptr) {
+    const int64_t base = static_cast<int64_t>(tile.expert) * 2 * I;
+    bias_gate = bf16_to_f32(p.bias[base + j]);
+    bias_up = bf16_to_f32(p.bias[base + I + j]);
+  }
 #pragma unroll
   for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int col = 8 * i + 2 * t + h;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        stage[col * kPitch + 16 * warp + g + 8 * half] = acc[4 * i + 2 * half + h];
-      }
+      uint16_t* dst = stage + (8 * i + 2 * t + h) * kPitch + 16 * warp + g;
+      dst[0] = bf16_from_f32(acc[4 * i + h] + bias_gate);
+      dst[8] = bf16_from_f32(acc[4 * i + 2 + h] + bias_up);
     }
   }
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
@@ -140,35 +147,19 @@ __device__ __forceinline__ void epilogue_l1_staged(const GemmParams& p, const Ti
   // 2. per column: 4 threads x 8 channels.
   const int k4 = tid % kThreadsPerCol;
   const int j0 = mblk * kChannelsPerGroup + k4 * kChunk;  // first channel of this thread
-  float bias_gate[kChunk], bias_up[kChunk];
-#pragma unroll
-  for (int e = 0; e < kChunk; ++e) {
-    bias_gate[e] = 0.0f;
-    bias_up[e] = 0.0f;
-  }
-  if (p.bias != nullptr) {
-    const uint16_t* b = p.bias + static_cast<int64_t>(tile.expert) * 2 * I + j0;
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) {
-      bias_gate[e] = bf16_to_f32(b[e]);
-      bias_up[e] = bf16_to_f32(b[I + e]);
-    }
-  }
   for (int col = tid / kThreadsPerCol; col < tile.num_rows; col += kColsPerPass) {
-    const float* src = stage + col * kPitch + 16 * k4;
-    const float4 g0 = *reinterpret_cast<const float4*>(src);
-    const float4 g1 = *reinterpret_cast<const float4*>(src + 4);
-    const float4 u0 = *reinterpret_cast<const float4*>(src + 8);
-    const float4 u1 = *reinterpret_cast<const float4*>(src + 12);
-    const float gate_acc[kChunk] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-    const float up_acc[kChunk] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+    const uint16_t* src = stage + col * kPitch + 16 * k4;
+    const uint4 gw = *reinterpret_cast<const uint4*>(src);      // gate, channels 8 k4 + 0..7
+    const uint4 uw = *reinterpret_cast<const uint4*>(src + 8);  // up, same channels
+    const uint32_t gate_words[4] = {gw.x, gw.y, gw.z, gw.w};
+    const uint32_t up_words[4] = {uw.x, uw.y, uw.z, uw.w};
     const int64_t row = tile.row0 + col;
     const float rw = __ldg(p.row_weights + row);
     float v[kChunk];
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
-      const float gate = bf16_round(gate_acc[e] + bias_gate[e]);
-      const float up = bf16_round(up_acc[e] + bias_up[e]);
+      const float gate = bf16_to_f32(static_cast<uint16_t>(gate_words[e / 2] >> (16 * (e % 2))));
+      const float up = bf16_to_f32(static_cast<uint16_t>(up_words[e / 2] >> (16 * (e % 2))));
       v[e] = apply_activation(act, gate, up, p.fast_math) * rw;
     }
     // fmaxf over the group's 32 |v| (NaN ignored unless all are NaN, as in epilogue_l1).

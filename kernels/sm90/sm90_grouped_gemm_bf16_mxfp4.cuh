@@ -49,7 +49,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   uint64_t* full_bars = reinterpret_cast<uint64_t*>(smem + Cfg::kOffBars);
   uint64_t* empty_bars = full_bars + Cfg::kNumStages;
   float* smem_amax = reinterpret_cast<float*>(smem + Cfg::kOffAmax);
-  float* smem_stage = reinterpret_cast<float*>(smem + Cfg::kOffStage);  // staged L1 epilogue
+  uint16_t* smem_stage = reinterpret_cast<uint16_t*>(smem + Cfg::kOffStage);  // staged L1 epilogue
   int32_t* s_offsets = reinterpret_cast<int32_t*>(smem + Cfg::kOffSchedule);
   int32_t* s_prefix = s_offsets + (p.num_experts + 1);
 

@@ -103,9 +103,11 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     } else if (avg <= kDecodeMaxAvgRows) {
       tile = overlap ? GemmTile::kDecode16Overlap : GemmTile::kDecode16;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
-      tile = GemmTile::kPrefillWideOverlap;
+      tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillWideStaged : GemmTile::kPrefillWideOverlap;
+    } else if (overlap) {
+      tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillStaged : GemmTile::kPrefillOverlap;
     } else {
-      tile = overlap ? GemmTile::kPrefillOverlap : GemmTile::kPrefill;
+      tile = GemmTile::kPrefill;
     }
   }
   switch (tile) {
@@ -126,6 +128,9 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
       return;
     case GemmTile::kPrefillStaged:
       launch_config<PrefillStagedConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillWideStaged:
+      launch_config<PrefillWideStagedConfig, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
@@ -162,12 +167,11 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
   MEGAMOE_CHECK_ARG(a.activation.kind != ActivationKind::kSitu || !a.activation.has_clamp,
                     "launch_l1: activation: situ takes no clamp");
   // The staged epilogue stores 8 bytes of h_q and 16 of h_act at a time.
-  MEGAMOE_CHECK_ARG(a.tile != GemmTile::kPrefillStaged ||
-                        (reinterpret_cast<uintptr_t>(a.h_q) % 8 == 0 &&
-                         reinterpret_cast<uintptr_t>(a.h_act) % 16 == 0),
-                    "launch_l1: h_q / h_act: expected 8- / 16-byte aligned pointers for tile "
-                    "kPrefillStaged, got ", static_cast<const void*>(a.h_q), " / ",
-                    static_cast<const void*>(a.h_act));
+  // (Checked for every tile: kAuto may pick a staged one.)
+  MEGAMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(a.h_q) % 8 == 0 &&
+                        reinterpret_cast<uintptr_t>(a.h_act) % 16 == 0,
+                    "launch_l1: h_q / h_act: expected 8- / 16-byte aligned pointers, got ",
+                    static_cast<const void*>(a.h_q), " / ", static_cast<const void*>(a.h_act));
   GemmParams p;
   p.num_experts = a.num_experts;
   p.k = static_cast<int>(a.hidden);

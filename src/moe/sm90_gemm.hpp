@@ -42,8 +42,9 @@ constexpr int64_t kRowSlack = 256;  // extra rows allocated after max_rows in ev
 // summation order may differ between configurations).
 // The *Overlap configurations use the overlapped mainloop (next block's conversion during the
 // current wgmmas, one-multiply conversion) and are opt-in until validated and measured on an
-// H200: kAutoOverlap picks among them as kAuto does among the default ones, and the environment
-// variable MEGAMOE_SM90_GEMM_OVERLAP=1 (read once per process) makes kAuto behave as kAutoOverlap.
+// H200: kAutoOverlap picks among them as kAuto does among the default ones (L1 at prefill: the
+// staged-epilogue tiles), and the environment variable MEGAMOE_SM90_GEMM_OVERLAP=1 (read once
+// per process) makes kAuto behave as kAutoOverlap.
 enum class GemmTile : int {
   kAuto = 0,
   kDecode8 = 1,              // 64 weight rows x 8 token rows, 4 CTAs per SM
@@ -55,6 +56,7 @@ enum class GemmTile : int {
   kPrefillOverlap = 7,
   kPrefillWideOverlap = 8,   // 128 x up to 192
   kPrefillStaged = 9,        // kPrefillOverlap + L1 epilogue staged through shared memory
+  kPrefillWideStaged = 10,   // kPrefillWideOverlap + the same
 };
 
 struct L1Args {
@@ -72,9 +74,9 @@ struct L1Args {
   const uint16_t* w13_bias = nullptr;   // device bf16 [E_l, 2I] canonical row order, or nullptr
   Activation activation;
   bool fast_math = true;
-  uint8_t* h_q = nullptr;               // device e4m3 [max_rows, I]
+  uint8_t* h_q = nullptr;               // device e4m3 [max_rows, I], 8-byte aligned
   uint8_t* h_sf = nullptr;              // device ue8m0 [max_rows, I/32]
-  uint16_t* h_act = nullptr;            // device bf16 [max_rows + kRowSlack, I]
+  uint16_t* h_act = nullptr;            // device bf16 [max_rows + kRowSlack, I], 16-byte aligned
   GemmTile tile = GemmTile::kAuto;      // tile configuration (kAuto: chosen from rows_bound)
 };
 

@@ -377,7 +377,8 @@ constexpr sm90::GemmTile kForcedTiles[] = {
     sm90::GemmTile::kDecode8,         sm90::GemmTile::kDecode16,
     sm90::GemmTile::kPrefill,         sm90::GemmTile::kDecode8Overlap,
     sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kPrefillOverlap,
-    sm90::GemmTile::kPrefillWideOverlap, sm90::GemmTile::kPrefillStaged};
+    sm90::GemmTile::kPrefillWideOverlap, sm90::GemmTile::kPrefillStaged,
+    sm90::GemmTile::kPrefillWideStaged};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -516,6 +517,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
         variants.push_back(sm90::GemmTile::kPrefillWideOverlap);
         variants.push_back(sm90::GemmTile::kPrefillStaged);
+        variants.push_back(sm90::GemmTile::kPrefillWideStaged);
       }
       for (const sm90::GemmTile tile : variants)
       for (int which = 0; which < 2; ++which) {
