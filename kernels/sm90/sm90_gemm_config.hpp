@@ -139,7 +139,6 @@ using PrefillConfig = GemmConfig<2, 2, 128, 16, 7, 1>;
 //            K loop of conversions for a few rows.
 //            NOTES: 192 rather than 256 rows: uniform routing at 146 average rows stays under
 //            ~190, and 7 stages fit in shared memory where 256 rows leave 5.
-using Decode8OverlapConfig = GemmConfig<1, 1, 8, 8, 10, 4, true>;
 using DecodeOverlapConfig = GemmConfig<1, 1, 16, 8, 10, 4, true>;
 using PrefillOverlapConfig = GemmConfig<2, 2, 128, 16, 7, 1, true>;
 using PrefillWideOverlapConfig = GemmConfig<2, 1, 192, 16, 7, 1, true>;

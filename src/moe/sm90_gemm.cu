@@ -99,7 +99,9 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
     const int64_t avg = rows / active;
     if (avg <= kDecode8MaxAvgRows) {
-      tile = overlap ? GemmTile::kDecode8Overlap : GemmTile::kDecode8;
+      // NOTES: no overlapped 8-row decode tile: its first version wrote h_q/h_act that disagreed
+      // on the H200 (device run at dbab4e4) and was removed; overlap uses the 16-row tile here.
+      tile = overlap ? GemmTile::kDecode16Overlap : GemmTile::kDecode8;
     } else if (avg <= kDecodeMaxAvgRows) {
       tile = overlap ? GemmTile::kDecode16Overlap : GemmTile::kDecode16;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
@@ -114,9 +116,6 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     case GemmTile::kDecode8: launch_config<Decode8Config, kKind>(p, b_rows, stream); return;
     case GemmTile::kDecode16: launch_config<DecodeConfig, kKind>(p, b_rows, stream); return;
     case GemmTile::kPrefill: launch_config<PrefillConfig, kKind>(p, b_rows, stream); return;
-    case GemmTile::kDecode8Overlap:
-      launch_config<Decode8OverlapConfig, kKind>(p, b_rows, stream);
-      return;
     case GemmTile::kDecode16Overlap:
       launch_config<DecodeOverlapConfig, kKind>(p, b_rows, stream);
       return;

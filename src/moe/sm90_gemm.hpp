@@ -51,7 +51,7 @@ enum class GemmTile : int {
   kDecode16 = 2,             // 64 x 16, 4 CTAs per SM
   kPrefill = 3,              // 256 x up to 128
   kAutoOverlap = 4,
-  kDecode8Overlap = 5,
+  // 5 was an overlapped 64 x 8 decode tile, removed after it failed on the H200.
   kDecode16Overlap = 6,
   kPrefillOverlap = 7,
   kPrefillWideOverlap = 8,   // 128 x up to 192

@@ -379,7 +379,7 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
 constexpr sm90::GemmTile kDefaultTiles[] = {sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16,
                                             sm90::GemmTile::kPrefill};
 constexpr sm90::GemmTile kOptInTiles[] = {
-    sm90::GemmTile::kDecode8Overlap,     sm90::GemmTile::kDecode16Overlap,
+    sm90::GemmTile::kDecode16Overlap,
     sm90::GemmTile::kPrefillOverlap,     sm90::GemmTile::kPrefillWideOverlap,
     sm90::GemmTile::kPrefillStaged,      sm90::GemmTile::kPrefillWideStaged};
 
