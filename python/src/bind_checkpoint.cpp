@@ -77,8 +77,9 @@ void write_moe_checkpoint(const std::string& path, const std::map<std::string, W
                       w.layout, "' on ", device_name(w.device()));
     add_moe_layer(writer, prefix, w, conv);
   }
-  nb::gil_scoped_release release;
-  writer.write(path);
+  without_gil([&] {
+    writer.write(path);
+  });
 }
 
 }  // namespace
@@ -103,10 +104,9 @@ void register_checkpoint(nb::module_& m) {
           "_open",
           [](const std::string& path) {
             std::unique_ptr<CheckpointHandle> h;
-            {
-              nb::gil_scoped_release release;
+            without_gil([&] {
               h = std::make_unique<CheckpointHandle>(Checkpoint::open(path));
-            }
+            });
             return h.release();
           },
           nb::arg("path"), nb::rv_policy::take_ownership)
@@ -126,10 +126,9 @@ void register_checkpoint(nb::module_& m) {
       "load_moe_layer",
       [](const CheckpointHandle& checkpoint, const MoeLayerInfo& layer, int ep_rank, int ep_size) {
         MoeWeights w;
-        {
-          nb::gil_scoped_release release;
+        without_gil([&] {
           w = load_moe_layer(checkpoint.ckpt, layer, ep_rank, ep_size);
-        }
+        });
         return new WeightsHolder(std::move(w));
       },
       nb::arg("checkpoint"), nb::arg("layer"), nb::arg("ep_rank") = 0, nb::arg("ep_size") = 1,
@@ -142,10 +141,9 @@ void register_checkpoint(nb::module_& m) {
       [](WeightsHolder& w, const std::string& backend, int64_t scratch_bytes, uintptr_t stream) {
         MoeWeights& weights = w.get("weights");
         PrepareReport r;
-        {
-          nb::gil_scoped_release release;
+        without_gil([&] {
           r = prepare(weights, backend, prepare_options(scratch_bytes, stream));
-        }
+        });
         return report_dict(r);
       },
       nb::arg("weights"), nb::arg("backend"), nb::arg("scratch_bytes"), nb::arg("stream"));
@@ -154,10 +152,9 @@ void register_checkpoint(nb::module_& m) {
       [](WeightsHolder& w, int64_t scratch_bytes, uintptr_t stream) {
         MoeWeights& weights = w.get("weights");
         PrepareReport r;
-        {
-          nb::gil_scoped_release release;
+        without_gil([&] {
           r = unprepare(weights, prepare_options(scratch_bytes, stream));
-        }
+        });
         return report_dict(r);
       },
       nb::arg("weights"), nb::arg("scratch_bytes"), nb::arg("stream"));
@@ -166,10 +163,9 @@ void register_checkpoint(nb::module_& m) {
       [](WeightsHolder& w, int sm_version, int64_t scratch_bytes, uintptr_t stream) {
         MoeWeights& weights = w.get("weights");
         PrepareReport r;
-        {
-          nb::gil_scoped_release release;
+        without_gil([&] {
           r = prepare_for_fused(weights, sm_version, prepare_options(scratch_bytes, stream));
-        }
+        });
         return report_dict(r);
       },
       nb::arg("weights"), nb::arg("sm_version"), nb::arg("scratch_bytes"), nb::arg("stream"));

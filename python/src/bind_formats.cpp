@@ -72,8 +72,9 @@ void map_elements(const char* src_arg, const InArray& src, DType src_dtype, cons
   const Src* in = s.ptr<const Src>();
   Dst* out = d.ptr<Dst>();
   const int64_t n = s.numel();
-  nb::gil_scoped_release release;
-  for (int64_t i = 0; i < n; ++i) out[i] = fn(in[i]);
+  without_gil([&] {
+    for (int64_t i = 0; i < n; ++i) out[i] = fn(in[i]);
+  });
 }
 
 void e4m3_encode(const InArray& src, const OutArray& dst) {
@@ -147,9 +148,10 @@ void quantize_input(const InArray& x, const OutArray& q, const OutArray& sf) {
   expect_rowwise_shape("q", qv, "x", xv, cols);
   expect_rowwise_shape("sf", sv, "x", xv, cols / kScaleBlock);
   const int64_t rows = cols == 0 ? 0 : xv.numel() / cols;
-  nb::gil_scoped_release release;
-  megamoe::quantize_input(xv.ptr<const uint16_t>(), rows, cols, qv.ptr<uint8_t>(),
-                          sv.ptr<uint8_t>());
+  without_gil([&] {
+    megamoe::quantize_input(xv.ptr<const uint16_t>(), rows, cols, qv.ptr<uint8_t>(),
+                            sv.ptr<uint8_t>());
+  });
 }
 
 void requantize(const InArray& v, const OutArray& q, const OutArray& sf) {
@@ -161,9 +163,10 @@ void requantize(const InArray& v, const OutArray& q, const OutArray& sf) {
   expect_rowwise_shape("q", qv, "v", vv, cols);
   expect_rowwise_shape("sf", sv, "v", vv, cols / kScaleBlock);
   const int64_t rows = cols == 0 ? 0 : vv.numel() / cols;
-  nb::gil_scoped_release release;
-  megamoe::requantize_intermediate(vv.ptr<const float>(), rows, cols, qv.ptr<uint8_t>(),
-                                   sv.ptr<uint8_t>());
+  without_gil([&] {
+    megamoe::requantize_intermediate(vv.ptr<const float>(), rows, cols, qv.ptr<uint8_t>(),
+                                     sv.ptr<uint8_t>());
+  });
 }
 
 void quantize_mxfp4(const InArray& w, const OutArray& packed, const OutArray& sf) {
@@ -175,14 +178,15 @@ void quantize_mxfp4(const InArray& w, const OutArray& packed, const OutArray& sf
   expect_rowwise_shape("packed", pv, "w", wv, cols / kE2M1PerByte);
   expect_rowwise_shape("sf", sv, "w", wv, cols / kScaleBlock);
   const int64_t rows = cols == 0 ? 0 : wv.numel() / cols;
-  nb::gil_scoped_release release;
-  if (wv.dtype == DType::kF32) {
-    megamoe::quantize_mxfp4(wv.ptr<const float>(), rows, cols, pv.ptr<uint8_t>(),
-                            sv.ptr<uint8_t>());
-  } else {
-    megamoe::quantize_mxfp4_bf16(wv.ptr<const uint16_t>(), rows, cols, pv.ptr<uint8_t>(),
-                                 sv.ptr<uint8_t>());
-  }
+  without_gil([&] {
+    if (wv.dtype == DType::kF32) {
+      megamoe::quantize_mxfp4(wv.ptr<const float>(), rows, cols, pv.ptr<uint8_t>(),
+                              sv.ptr<uint8_t>());
+    } else {
+      megamoe::quantize_mxfp4_bf16(wv.ptr<const uint16_t>(), rows, cols, pv.ptr<uint8_t>(),
+                                   sv.ptr<uint8_t>());
+    }
+  });
 }
 
 void dequantize_fp8(const InArray& q, const InArray& sf, const OutArray& out) {
@@ -194,9 +198,10 @@ void dequantize_fp8(const InArray& q, const InArray& sf, const OutArray& out) {
   expect_rowwise_shape("sf", sv, "q", qv, cols / kScaleBlock);
   expect_rowwise_shape("out", ov, "q", qv, cols);
   const int64_t rows = cols == 0 ? 0 : qv.numel() / cols;
-  nb::gil_scoped_release release;
-  megamoe::dequantize_fp8(qv.ptr<const uint8_t>(), sv.ptr<const uint8_t>(), rows, cols,
-                          ov.ptr<float>());
+  without_gil([&] {
+    megamoe::dequantize_fp8(qv.ptr<const uint8_t>(), sv.ptr<const uint8_t>(), rows, cols,
+                            ov.ptr<float>());
+  });
 }
 
 void dequantize_mxfp4(const InArray& packed, const InArray& sf, const OutArray& out) {
@@ -208,9 +213,10 @@ void dequantize_mxfp4(const InArray& packed, const InArray& sf, const OutArray& 
   expect_rowwise_shape("sf", sv, "packed", pv, cols / kScaleBlock);
   expect_rowwise_shape("out", ov, "packed", pv, cols);
   const int64_t rows = cols == 0 ? 0 : ov.numel() / cols;
-  nb::gil_scoped_release release;
-  megamoe::dequantize_mxfp4(pv.ptr<const uint8_t>(), sv.ptr<const uint8_t>(), rows, cols,
-                            ov.ptr<float>());
+  without_gil([&] {
+    megamoe::dequantize_mxfp4(pv.ptr<const uint8_t>(), sv.ptr<const uint8_t>(), rows, cols,
+                              ov.ptr<float>());
+  });
 }
 
 }  // namespace

@@ -70,8 +70,9 @@ void forward(MoeLayer& layer, const InArray& x, const InArray& topk_idx,
   expect_dtype("y", yv, {DType::kBF16});
   // Shapes, devices, strides and the capacity are checked by MoeLayer::forward (src/moe/layer.cpp).
 
-  nb::gil_scoped_release release;
-  layer.forward(xv, iv, wv, yv, reinterpret_cast<void*>(stream));
+  without_gil([&] {
+    layer.forward(xv, iv, wv, yv, reinterpret_cast<void*>(stream));
+  });
 }
 
 }  // namespace

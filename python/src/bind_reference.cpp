@@ -85,12 +85,11 @@ nb::object reference_forward(const LayerConfig& c, WeightsHolder& weights, const
   expect_dtype("y", yv, {DType::kBF16});
   check_tensor("y", yv, DType::kBF16, {t, c.shape.hidden}, Device::cpu());
   ReferenceTrace tr;
-  {
-    nb::gil_scoped_release release;
+  without_gil([&] {
     megamoe::reference_forward(c, w, xv.ptr<const uint16_t>(), r.idx.ptr<const int32_t>(),
                                r.weights.ptr<const float>(), t, yv.ptr<uint16_t>(),
                                trace ? &tr : nullptr);
-  }
+  });
   if (!trace) return nb::none();
   return trace_dict(std::move(tr), c, t);
 }
@@ -108,10 +107,11 @@ void reference_forward_quantized(const LayerConfig& c, WeightsHolder& weights, c
   const TensorView yv = view_of("y", y);
   expect_dtype("y", yv, {DType::kBF16});
   check_tensor("y", yv, DType::kBF16, {t, c.shape.hidden}, Device::cpu());
-  nb::gil_scoped_release release;
-  megamoe::reference_forward_quantized(c, w, qv.ptr<const uint8_t>(), sv.ptr<const uint8_t>(),
-                                       r.idx.ptr<const int32_t>(), r.weights.ptr<const float>(), t,
-                                       yv.ptr<uint16_t>());
+  without_gil([&] {
+    megamoe::reference_forward_quantized(c, w, qv.ptr<const uint8_t>(), sv.ptr<const uint8_t>(),
+                                         r.idx.ptr<const int32_t>(), r.weights.ptr<const float>(), t,
+                                         yv.ptr<uint16_t>());
+  });
 }
 
 void reference_l2_combine(const LayerConfig& c, WeightsHolder& weights, const InArray& h_q,
@@ -131,9 +131,10 @@ void reference_l2_combine(const LayerConfig& c, WeightsHolder& weights, const In
   const TensorView yv = view_of("y", y);
   expect_dtype("y", yv, {DType::kBF16});
   check_tensor("y", yv, DType::kBF16, {t, c.shape.hidden}, Device::cpu());
-  nb::gil_scoped_release release;
-  megamoe::reference_l2_combine(c, w, qv.ptr<const uint8_t>(), sv.ptr<const uint8_t>(),
-                                idx.ptr<const int32_t>(), t, yv.ptr<uint16_t>());
+  without_gil([&] {
+    megamoe::reference_l2_combine(c, w, qv.ptr<const uint8_t>(), sv.ptr<const uint8_t>(),
+                                  idx.ptr<const int32_t>(), t, yv.ptr<uint16_t>());
+  });
 }
 
 void ideal_forward(const LayerConfig& c, WeightsHolder& weights, const InArray& x,
@@ -145,9 +146,10 @@ void ideal_forward(const LayerConfig& c, WeightsHolder& weights, const InArray& 
   const TensorView yv = view_of("y", y);
   expect_dtype("y", yv, {DType::kF64});
   check_tensor("y", yv, DType::kF64, {t, c.shape.hidden}, Device::cpu());
-  nb::gil_scoped_release release;
-  megamoe::ideal_forward(c, w, xv.ptr<const uint16_t>(), r.idx.ptr<const int32_t>(),
-                         r.weights.ptr<const float>(), t, yv.ptr<double>());
+  without_gil([&] {
+    megamoe::ideal_forward(c, w, xv.ptr<const uint16_t>(), r.idx.ptr<const int32_t>(),
+                           r.weights.ptr<const float>(), t, yv.ptr<double>());
+  });
 }
 
 double diff_metric(const InArray& a, const InArray& b) {
@@ -170,11 +172,10 @@ nb::dict compare_output(const LayerConfig& c, const InArray& y, const InArray& r
   check_tensor("ref", rv, DType::kF64, {t, c.shape.hidden}, Device::cpu());
   const RoutingViews r = routing_views(c, t, topk_idx, nullptr);
   DiffReport rep;
-  {
-    nb::gil_scoped_release release;
+  without_gil([&] {
     rep = megamoe::compare_output(c, yv.ptr<const uint16_t>(), rv.ptr<const double>(),
                                   r.idx.ptr<const int32_t>(), t);
-  }
+  });
   nb::dict d;
   d["diff"] = rep.diff;
   d["worst_row_diff"] = rep.worst_row_diff;

@@ -27,10 +27,9 @@ nb::tuple make_routing(const std::string& kind, int64_t num_tokens, int64_t num_
                        int64_t top_k, uint64_t seed) {
   const RoutingKind k = parse_routing_kind(kind);
   Routing r;
-  {
-    nb::gil_scoped_release release;
+  without_gil([&] {
     r = megamoe::make_routing(k, num_tokens, num_experts, top_k, seed);
-  }
+  });
   const size_t t = static_cast<size_t>(r.num_tokens), kk = static_cast<size_t>(r.top_k);
   return nb::make_tuple(owned_array(std::move(r.topk_idx), {t, kk}),
                         owned_array(std::move(r.topk_weights), {t, kk}));
@@ -41,10 +40,9 @@ nb::ndarray<nb::numpy, uint16_t> synthetic_activations(int64_t num_tokens, int64
   MEGAMOE_CHECK_ARG(num_tokens >= 0, "num_tokens: expected >= 0, got ", num_tokens);
   MEGAMOE_CHECK_ARG(hidden > 0, "hidden: expected > 0, got ", hidden);
   std::vector<uint16_t> x;
-  {
-    nb::gil_scoped_release release;
+  without_gil([&] {
     x = megamoe::synthetic_activations(num_tokens, hidden, seed);
-  }
+  });
   return owned_array(std::move(x), {static_cast<size_t>(num_tokens), static_cast<size_t>(hidden)});
 }
 
@@ -69,9 +67,10 @@ void route_sigmoid_topk(const InArray& logits, std::optional<InArray> correction
   check_tensor("topk_idx", iv, DType::kI32, {num_tokens, -1}, Device::cpu());
   const int64_t top_k = iv.shape[1];
   check_tensor("topk_weights", wv, DType::kF32, {num_tokens, top_k}, Device::cpu());
-  nb::gil_scoped_release release;
-  megamoe::route_sigmoid_topk(lv.ptr<const float>(), bias, num_tokens, num_experts, top_k,
-                              routed_scaling_factor, iv.ptr<int32_t>(), wv.ptr<float>());
+  without_gil([&] {
+    megamoe::route_sigmoid_topk(lv.ptr<const float>(), bias, num_tokens, num_experts, top_k,
+                                routed_scaling_factor, iv.ptr<int32_t>(), wv.ptr<float>());
+  });
 }
 
 }  // namespace

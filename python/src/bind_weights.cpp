@@ -74,8 +74,9 @@ void copy_to(WeightsHolder& holder, const std::string& name, const OutArray& out
   MEGAMOE_CHECK_ARG(v.is_contiguous(), "out: expected a contiguous array");
   MEGAMOE_CHECK_ARG(v.nbytes() == buffer.size(), "out: expected ", buffer.size(), " bytes for ",
                     name, ", got ", v.describe(), " (", v.nbytes(), " bytes)");
-  nb::gil_scoped_release release;
-  copy_bytes(v.data, v.device, buffer.data(), buffer.device(), buffer.size());
+  without_gil([&] {
+    copy_bytes(v.data, v.device, buffer.data(), buffer.device(), buffer.size());
+  });
 }
 
 // Copies `array` (checked against the canonical spec) into `buffer`.

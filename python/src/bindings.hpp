@@ -14,6 +14,7 @@
 #include <nanobind/ndarray.h>
 
 #include <cstdint>
+#include <exception>
 #include <initializer_list>
 #include <string>
 
@@ -92,5 +93,26 @@ void register_reference(nb::module_& m);
 void register_routing(nb::module_& m);
 void register_checkpoint(nb::module_& m);
 void register_runtime(nb::module_& m);
+
+// Runs `work` with the GIL released. An exception thrown there is carried out of the released
+// region and rethrown once the GIL is held again, so megamoe::Error is always translated into a
+// Python exception by a thread that holds the GIL, whatever nanobind and CPython versions do
+// with exceptions unwinding through a released region.
+// NOTES: added after a segfault on the H200 image (Python 3.12, its nanobind) on the first C++
+// error raised inside MoELayer.forward with the GIL released; not reproduced here (Python 3.12.1,
+// nanobind 3.1.0), so whether this was the cause is unverified.
+template <typename Work>
+void without_gil(Work&& work) {
+  std::exception_ptr error;
+  {
+    nb::gil_scoped_release release;
+    try {
+      work();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
 
 }  // namespace megamoe::python
