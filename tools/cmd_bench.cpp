@@ -208,24 +208,6 @@ struct InputSet {
   int64_t experts_hit = 0;  // distinct local experts of this routing
 };
 
-MoeWeights copy_weights(const MoeWeights& w) {
-  MoeWeights c;
-  c.num_local_experts = w.num_local_experts;
-  c.first_expert = w.first_expert;
-  c.hidden = w.hidden;
-  c.intermediate = w.intermediate;
-  c.layout = w.layout;
-  c.w13 = w.w13.to(w.device());
-  c.w13_sf = w.w13_sf.to(w.device());
-  c.w2 = w.w2.to(w.device());
-  c.w2_sf = w.w2_sf.to(w.device());
-  if (w.has_bias()) {
-    c.w13_bias = w.w13_bias.to(w.device());
-    c.w2_bias = w.w2_bias.to(w.device());
-  }
-  return c;
-}
-
 std::vector<uint16_t> activations_parallel(int64_t tokens, int64_t hidden, uint64_t seed) {
   constexpr int64_t kChunk = 256;
   std::vector<uint16_t> x(static_cast<size_t>(tokens * hidden));
@@ -360,7 +342,7 @@ int run_bench(const BenchOptions& o) {
     const int num_weight_copies =
         static_cast<int>(std::max<int64_t>(1, (l2_rotation_bytes + weight_bytes - 1) / weight_bytes));
     std::vector<MoeWeights> copies;
-    for (int i = 1; i < num_weight_copies; ++i) copies.push_back(copy_weights(prepared));
+    for (int i = 1; i < num_weight_copies; ++i) copies.push_back(prepared.to(prepared.device()));
     std::vector<std::unique_ptr<sm90::Sm90Layer>> layers;
     layers.push_back(std::make_unique<sm90::Sm90Layer>(config, &prepared));
     for (auto& c : copies) layers.push_back(std::make_unique<sm90::Sm90Layer>(config, &c));

@@ -50,6 +50,9 @@ struct MoeWeights {
 
   // Checks that these weights serve `config` (H, I, E_l, first expert); throws naming the field.
   void check_matches(const LayerConfig& config) const;
+
+  // A full copy of these weights (every buffer, the dimensions and the layout) on `device`.
+  MoeWeights to(Device device) const;
 };
 
 // Synthetic MXFP4 weights for tests, benchmarks and the default CLI run: uniform random E2M1

@@ -21,21 +21,7 @@ class CpuBackend final : public LayerBackend {
 // Weights given on a device are copied to the host, buffer by buffer.
 MoeWeights to_host(MoeWeights&& w) {
   if (w.device().type == DeviceType::kCPU) return std::move(w);
-  MoeWeights h;
-  h.num_local_experts = w.num_local_experts;
-  h.first_expert = w.first_expert;
-  h.hidden = w.hidden;
-  h.intermediate = w.intermediate;
-  h.layout = w.layout;
-  h.w13 = w.w13.to(Device::cpu());
-  h.w13_sf = w.w13_sf.to(Device::cpu());
-  h.w2 = w.w2.to(Device::cpu());
-  h.w2_sf = w.w2_sf.to(Device::cpu());
-  if (w.has_bias()) {
-    h.w13_bias = w.w13_bias.to(Device::cpu());
-    h.w2_bias = w.w2_bias.to(Device::cpu());
-  }
-  return h;
+  return w.to(Device::cpu());
 }
 
 }  // namespace

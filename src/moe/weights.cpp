@@ -151,6 +151,22 @@ void MoeWeights::check_matches(const LayerConfig& config) const {
                     config.first_local_expert());
 }
 
+MoeWeights MoeWeights::to(Device device) const {
+  MoeWeights c;
+  c.num_local_experts = num_local_experts;
+  c.first_expert = first_expert;
+  c.hidden = hidden;
+  c.intermediate = intermediate;
+  c.layout = layout;
+  c.w13 = w13.to(device);
+  c.w13_sf = w13_sf.to(device);
+  c.w2 = w2.to(device);
+  c.w2_sf = w2_sf.to(device);
+  c.w13_bias = w13_bias.to(device);
+  c.w2_bias = w2_bias.to(device);
+  return c;
+}
+
 MoeWeights synthetic_weights(const LayerConfig& config, uint64_t seed, bool with_bias) {
   config.validate();
   const int64_t el = config.num_local_experts();

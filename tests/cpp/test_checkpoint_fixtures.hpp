@@ -97,19 +97,7 @@ inline ::testing::AssertionResult weights_equal(const MoeWeights& a, const MoeWe
 }
 
 inline MoeWeights clone(const MoeWeights& w) {
-  MoeWeights c;
-  c.num_local_experts = w.num_local_experts;
-  c.first_expert = w.first_expert;
-  c.hidden = w.hidden;
-  c.intermediate = w.intermediate;
-  c.layout = w.layout;
-  c.w13 = w.w13.to(Device::cpu());
-  c.w13_sf = w.w13_sf.to(Device::cpu());
-  c.w2 = w.w2.to(Device::cpu());
-  c.w2_sf = w.w2_sf.to(Device::cpu());
-  c.w13_bias = w.w13_bias.to(Device::cpu());
-  c.w2_bias = w.w2_bias.to(Device::cpu());
-  return c;
+  return w.to(Device::cpu());
 }
 
 // A fresh folder under the test temp dir, removed at scope exit.

@@ -27,19 +27,7 @@ void fill(Buffer& b, Reader& r) {
 }
 
 MoeWeights copy_of(const MoeWeights& w) {
-  MoeWeights c;
-  c.num_local_experts = w.num_local_experts;
-  c.first_expert = w.first_expert;
-  c.hidden = w.hidden;
-  c.intermediate = w.intermediate;
-  c.layout = w.layout;
-  c.w13 = w.w13.to(Device::cpu());
-  c.w13_sf = w.w13_sf.to(Device::cpu());
-  c.w2 = w.w2.to(Device::cpu());
-  c.w2_sf = w.w2_sf.to(Device::cpu());
-  c.w13_bias = w.w13_bias.to(Device::cpu());
-  c.w2_bias = w.w2_bias.to(Device::cpu());
-  return c;
+  return w.to(Device::cpu());
 }
 
 bool same(const Buffer& a, const Buffer& b) {
