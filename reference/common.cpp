@@ -35,6 +35,16 @@ void check_call(const char* fn, const LayerConfig& config, const MoeWeights& wei
                 config.max_tokens_per_rank);
 }
 
+std::vector<Item> expert_items(const RoutingPlan& plan, int64_t cols, int64_t chunk) {
+  std::vector<Item> items;
+  for (size_t e = 0; e + 1 < plan.expert_begin.size(); ++e) {
+    if (plan.expert_begin[e + 1] == plan.expert_begin[e]) continue;
+    for (int64_t c = 0; c < cols; c += chunk)
+      items.push_back({static_cast<int64_t>(e), c, std::min(cols, c + chunk)});
+  }
+  return items;
+}
+
 RoutingPlan plan_routing(const char* fn, const LayerConfig& config, const int32_t* topk_idx,
                          int64_t num_tokens) {
   const int64_t top_k = config.shape.top_k;

@@ -17,6 +17,8 @@ namespace megamoe {
 namespace {
 
 using reference_detail::kTileRows;
+using reference_detail::expert_items;
+using reference_detail::Item;
 using reference_detail::RoutingPlan;
 
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
@@ -43,19 +45,6 @@ double activation_fp64(const Activation& act, double g, double u) {
     }
   }
   fail(ErrorCode::kInternal, "activation_fp64: unknown activation kind");
-}
-
-struct Item {
-  int64_t expert, col0, col1;
-};
-std::vector<Item> expert_items(const RoutingPlan& plan, int64_t cols, int64_t chunk) {
-  std::vector<Item> items;
-  for (size_t e = 0; e + 1 < plan.expert_begin.size(); ++e) {
-    if (plan.expert_begin[e + 1] == plan.expert_begin[e]) continue;
-    for (int64_t c = 0; c < cols; c += chunk)
-      items.push_back({static_cast<int64_t>(e), c, std::min(cols, c + chunk)});
-  }
-  return items;
 }
 
 // Dequantizes `rows` MXFP4 rows of width `cols` into double (exact).

@@ -29,6 +29,8 @@
 
 namespace megamoe {
 
+using reference_detail::expert_items;
+using reference_detail::Item;
 using reference_detail::RoutingPlan;
 
 namespace {
@@ -50,21 +52,6 @@ void prepare_trace(ReferenceTrace* trace, const Dims& d, int64_t num_tokens) {
   trace->h_q.assign(slots * static_cast<size_t>(d.inter), 0);
   trace->h_sf.assign(slots * static_cast<size_t>(d.inter / kScaleBlock), 0);
   trace->o.assign(slots * static_cast<size_t>(d.h), 0);
-}
-
-// Items of (local expert with rows, chunk of `cols` columns of width `chunk`).
-struct Item {
-  int64_t expert;
-  int64_t col0, col1;
-};
-std::vector<Item> expert_items(const RoutingPlan& plan, int64_t cols, int64_t chunk) {
-  std::vector<Item> items;
-  for (size_t e = 0; e + 1 < plan.expert_begin.size(); ++e) {
-    if (plan.expert_begin[e + 1] == plan.expert_begin[e]) continue;
-    for (int64_t c = 0; c < cols; c += chunk)
-      items.push_back({static_cast<int64_t>(e), c, std::min(cols, c + chunk)});
-  }
-  return items;
 }
 
 // x_f [T, H]: the dequantized FP8 input (exact). Fills h [R, I] with the dequantized

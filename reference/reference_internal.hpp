@@ -30,6 +30,14 @@ struct RoutingPlan {
   int64_t num_rows() const { return static_cast<int64_t>(row_slot.size()); }
 };
 
+// One work item: a local expert with routed rows and a block [col0, col1) of output columns.
+struct Item {
+  int64_t expert;
+  int64_t col0, col1;
+};
+// The items of every local expert that has rows, its `cols` columns cut into blocks of `chunk`.
+std::vector<Item> expert_items(const RoutingPlan& plan, int64_t cols, int64_t chunk);
+
 // Throws unless config and weights agree, the weights are canonical and on the host, and
 // 0 <= num_tokens <= capacity. `fn` names the caller in messages.
 void check_call(const char* fn, const LayerConfig& config, const MoeWeights& weights,
