@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install what is missing, build the `megamoe` program
-# (Release), and run one MoE layer with `megamoe run` (arguments are passed through, e.g.
-# `scripts/run.sh --shape kimi-k3 --tokens 8 --ep-size 8`).
+# (Release), and run `megamoe run`: with no arguments the example model (examples/kimi_mini)
+# answers the held-out problems; arguments are passed through and select one synthetic MoE layer,
+# e.g. `scripts/run.sh --shape kimi-k3 --tokens 8 --ep-size 8`.
 #
 # CUDA: built when nvcc is present AND a GPU answers nvidia-smi (without a GPU the CPU backend
 # runs and compiling the kernels would only cost time). MEGAMOE_ENABLE_CUDA=ON/OFF overrides.

@@ -33,6 +33,6 @@ status=0
 # The example model's gate (ModelGate.*: 200 problems decoded through 6 layers, once per test
 # process) takes over 5 minutes per test under ASan: excluded too; the model's loading and
 # tokenizer tests (ModelTask.*) still run here.
-ctest --test-dir "$BUILD_DIR" -L cpu -E 'IsFast$|^ModelGate\.' -j "$JOBS" --timeout 900 --output-on-failure "$@" || status=$?
+ctest --test-dir "$BUILD_DIR" -L cpu -E 'IsFast$|^Model(Gate|Cli)\.' -j "$JOBS" --timeout 900 --output-on-failure "$@" || status=$?
 echo "sanitize.sh: ASan+UBSan CPU tests finished in $(( $(date +%s) - start )) s, ctest exit $status"
 exit $status

@@ -1,5 +1,6 @@
 // `megamoe run`: one MoE layer call on synthetic MXFP4 weights, timed and checked against the
-// FP64 ideal MoE (and, for a non-CPU backend, against the CPU reference of the contract).
+// FP64 ideal MoE (and, for a non-CPU backend, against the CPU reference of the contract). With
+// no option at all it runs the example model instead (`megamoe model` at its defaults).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -19,6 +20,7 @@
 #include "megamoe/routing.hpp"
 #include "megamoe/weights.hpp"
 #include "tools/cli.hpp"
+#include "tools/cmd_model.hpp"
 
 namespace megamoe::cli {
 namespace {
@@ -272,7 +274,8 @@ int run(const RunOptions& o) {
 
 const Command kRun{
     "run",
-    "Run one MoE layer on synthetic MXFP4 weights and check it against the FP64 ideal MoE",
+    "Run one MoE layer on synthetic MXFP4 weights and check it against the FP64 ideal MoE "
+    "(no options: run the example model, as `megamoe model` does)",
     [](CLI::App& app) -> CommandMain {
       auto o = std::make_shared<RunOptions>();
       std::string shapes;
@@ -319,7 +322,13 @@ const Command kRun{
           ->check(kFiniteNonNegative)
           ->capture_default_str();
       app.add_flag("--json", o->json, "Print one JSON object instead of text");
-      return [o] { return run(*o); };
+      // NOTES: `megamoe run` with no option at all is the README's main job: the example model
+      // (examples/kimi_mini) answering problems. Any option selects the synthetic layer.
+      return [o, &app] {
+        for (const CLI::Option* opt : app.get_options())
+          if (opt->count() > 0) return run(*o);
+        return run_default_model();
+      };
     }};
 
 }  // namespace

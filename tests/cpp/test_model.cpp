@@ -133,25 +133,9 @@ KimiMiniModel* ModelGate::model_ = nullptr;
 std::vector<Problem>* ModelGate::problems_ = nullptr;
 EvalReport* ModelGate::report_ = nullptr;
 
-// The training script's own held-out accuracy (PyTorch, same MXFP4/FP8 numerics) of the committed
-// checkpoint: serving cannot be more accurate than the model is.
-double trained_accuracy() {
-  std::ifstream f(kModelDir + "/train_log.json");
-  if (!f.good()) return -1.0;
-  return nlohmann::json::parse(f).at("heldout_accuracy").at("mxfp4").get<double>();
-}
-
 TEST_F(ModelGate, HeldoutAccuracyAtLeastGate) {
   ASSERT_NE(report_, nullptr);
   ASSERT_EQ(report_->total, kHeldoutSize);
-  const double trained = trained_accuracy();
-  ASSERT_GE(trained, 0.0) << kModelDir << "/train_log.json missing";
-  if (trained < kAccuracyGate)
-    GTEST_SKIP() << "the committed checkpoint is under-trained: its training run measured "
-                 << trained << " held-out accuracy (gate " << kAccuracyGate
-                 << "), so the gate cannot be met by serving it (issue 7 stays open); served "
-                 << "accuracy " << report_->accuracy << ". The parity and sensitivity tests "
-                 << "of this suite still run.";
   std::printf("kimi_mini (MXFP4 experts, cpu backend): %lld / %lld correct = %.3f in %.1f s\n",
               static_cast<long long>(report_->correct), static_cast<long long>(report_->total),
               report_->accuracy, report_->seconds);
@@ -210,19 +194,14 @@ TEST_F(ModelGate, CorruptingOneExpertsScalesFailsTheGate) {
       }
   ASSERT_GT(usage.at(best_layer, best_expert), 0);
 
-  // An under-trained checkpoint leans little on any single expert, so there every expert of the
-  // layer is corrupted: the served answers must still depend on the MXFP4 scales.
-  const bool gate_met = report_->accuracy >= kAccuracyGate;
   ModelOptions o = cpu_options();
   int64_t corrupted_bytes = 0;
   o.weights_hook = [&](int64_t layer, MoeWeights& w) {
     if (layer != best_layer) return;
     const int64_t I = w.intermediate, H = w.hidden;
     const int64_t sf13 = 2 * I * H / kScaleBlock, sf2 = H * I / kScaleBlock;
-    const int64_t first = gate_met ? best_expert : 0;
-    const int64_t count = gate_met ? 1 : w.num_local_experts;
-    uint8_t* a = w.w13_sf.as<uint8_t>() + first * sf13;
-    uint8_t* b = w.w2_sf.as<uint8_t>() + first * sf2;
+    uint8_t* a = w.w13_sf.as<uint8_t>() + best_expert * sf13;
+    uint8_t* b = w.w2_sf.as<uint8_t>() + best_expert * sf2;
     // A different shift per scale block (-kScaleCorruption..+kScaleCorruption): not a uniform
     // rescaling of the expert, which the RMSNorm after the routed experts would partly undo.
     auto corrupt = [](uint8_t* sf, int64_t n) {
@@ -231,18 +210,17 @@ TEST_F(ModelGate, CorruptingOneExpertsScalesFailsTheGate) {
         sf[i] = static_cast<uint8_t>(std::clamp(sf[i] + shift, 0, 254));
       }
     };
-    corrupt(a, count * sf13);
-    corrupt(b, count * sf2);
-    corrupted_bytes = count * (sf13 + sf2);
+    corrupt(a, sf13);
+    corrupt(b, sf2);
+    corrupted_bytes = sf13 + sf2;
   };
   KimiMiniModel corrupted = KimiMiniModel::load(kModelDir, o);
   ASSERT_GT(corrupted_bytes, 0);
   EvalOptions eo;
   eo.batch = kCorruptBatch;
   // once more than this many are wrong, accuracy over the 200 is below the gate whatever follows
-  if (gate_met) eo.max_failures = static_cast<int64_t>((1.0 - kAccuracyGate) * kHeldoutSize);
-  const std::vector<Problem> first(problems_->begin(), problems_->begin() + kCorruptBatch);
-  const EvalReport bad = evaluate(corrupted, gate_met ? *problems_ : first, eo);
+  eo.max_failures = static_cast<int64_t>((1.0 - kAccuracyGate) * kHeldoutSize);
+  const EvalReport bad = evaluate(corrupted, *problems_, eo);
   const int64_t wrong = bad.total - bad.correct;
   const double best_possible =
       static_cast<double>(kHeldoutSize - wrong) / static_cast<double>(kHeldoutSize);
@@ -252,17 +230,7 @@ TEST_F(ModelGate, CorruptingOneExpertsScalesFailsTheGate) {
               static_cast<long long>(usage.at(best_layer, best_expert)), kScaleCorruption,
               static_cast<long long>(wrong), static_cast<long long>(bad.total), best_possible,
               report_->accuracy);
-  if (!gate_met) std::printf("(every expert of layer %lld was corrupted: the checkpoint is below the gate)\n",
-                             static_cast<long long>(best_layer));
-  if (gate_met) {
-    EXPECT_LT(best_possible, kAccuracyGate);
-  } else {
-    int64_t changed = 0;
-    for (int64_t i = 0; i < bad.total; ++i) changed += bad.answers[i] != report_->answers[i];
-    std::printf("corrupted model: %lld of %lld answers differ from the intact model's\n",
-                static_cast<long long>(changed), static_cast<long long>(bad.total));
-    EXPECT_GT(static_cast<double>(changed) / static_cast<double>(bad.total), 1.0 - kParityGate);
-  }
+  EXPECT_LT(best_possible, kAccuracyGate);
 }
 
 }  // namespace
