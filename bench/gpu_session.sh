@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# One device call that runs every GPU check of the project on an H200 (a session's device time
-# is short, so everything shares one machine start):
-#   1. trains the example model (examples/kimi_mini) in the background;
-#   2. the GPU tests (megamoe_gpu_tests Sm90*, Reliability*), compute-sanitizer memcheck on the
-#      small reliability driver, and the Python GPU tests (the extension is built there: its
-#      Python is not this machine's);
-#   3. the example model's GPU gate (ModelGpu*) on the freshly trained checkpoint;
-#   4. the side-by-side comparison with the peers (bench/peers/compare.py, runs `megamoe bench`).
+# One device call that runs the GPU checks of the project on an H200 (a session's device time is
+# short, so everything shares one machine start). STEPS picks and orders them (default:
+# "tests overlap model python gemmbench"):
+#   train       trains the example model (examples/kimi_mini, TRAIN_SECONDS) ALONE: sharing the
+#               GPU slowed training and made two layer tests run out of memory
+#   tests       megamoe_gpu_tests Sm90* (incl. the opt-in GEMM tiles) and ReliabilitySanitize*
+#   overlap     Sm90Layer* again with MEGAMOE_SM90_GEMM_OVERLAP=1 (the layer on the opt-in tiles)
+#   memcheck    compute-sanitizer memcheck on the small reliability driver
+#   model       the example model's GPU gate (ModelGpu*)
+#   python      the Python tests (the extension is built there, in the background from the
+#               start, since its Python is not this machine's), with faulthandler on
+#   gemmbench   the grouped-GEMM benchmark of every tile config (Sm90GemmBench.*)
+#   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3, default and opt-in tiles
+#   reliability tests/gpu/run_reliability.sh (REL_PART: all, soak or sanitizers)
+#   peers       the side-by-side comparison with the peers (bench/peers/compare.py)
+# Benchmarks should come last: the Python build runs in the background until `python` waits.
 #
-#   bench/gpu_session.sh SRC_DIR [BIN_DIR]
+#   STEPS="..." bench/gpu_session.sh SRC_DIR [BIN_DIR]
 #
 # SRC_DIR: the source tree under test (the lead exports the committed revision with
 # `git archive HEAD | tar -x -C .carry/src`, so uncommitted work cannot leak into the run).
 # BIN_DIR: prebuilt `megamoe` and `megamoe_gpu_tests` (built on the development machine from the
 # same SRC_DIR, whose absolute path the tests have compiled in: SRC_BUILT_AT names it). Needs
 # carry [".carry", ".whl"]. Writes $OUT/log.txt (summary of every step), $OUT/logs.tgz (full
-# logs), $OUT/km/* (the trained checkpoint) and $OUT/peers.* (the comparison).
+# logs), $OUT/km/* (a trained checkpoint), $OUT/*.jsonl (benchmarks) and $OUT/peers.*.
 set -uo pipefail
 ROOT=$PWD
 SRC=$(cd "${1:?usage: gpu_session.sh SRC_DIR [BIN_DIR]}" && pwd)
@@ -43,55 +51,92 @@ TESTS=$BIN/tests/megamoe_gpu_tests
 [ -x "$TESTS" ] || TESTS=$BIN/megamoe_gpu_tests
 CLI=$BIN/megamoe
 
-say "train kimi_mini (${TRAIN_SECONDS:-170} s) in the background"
-(bash examples/kimi_mini/train_on_device.sh /tmp/km "${TRAIN_SECONDS:-170}" 6 >"$LOGS/train.log" 2>&1
- echo "train exit $?" >>"$LOGS/train.log") &
-train_pid=$!
+STEPS=${STEPS:-tests overlap model python gemmbench}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+pybuild_pid=""
+if has python; then
+  say "python extension build in the background"
+  (cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
+     -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" &&
+   ninja -C /tmp/build-py -j8) >"$LOGS/python_build.log" 2>&1 &
+  pybuild_pid=$!
+fi
 
-say "python extension build in the background"
-(cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
-   -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" &&
- ninja -C /tmp/build-py -j8) >"$LOGS/python_build.log" 2>&1 &
-pybuild_pid=$!
-
-say "gpu tests"
-timeout 200 "$TESTS" --gtest_filter='Sm90*:ReliabilitySanitize*:-*Bench*' >"$LOGS/gpu_tests.log" 2>&1
-echo "exit $?" >>"$LOGS/gpu_tests.log"
-grep -E "^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests? ran|^exit|fraction|flip" "$LOGS/gpu_tests.log" | tail -40 >>"$LOG"
-
-say "compute-sanitizer memcheck (small layer driver)"
-timeout 100 compute-sanitizer --tool memcheck --error-exitcode 99 "$TESTS" \
-  --gtest_filter='ReliabilitySanitize.*' >"$LOGS/memcheck.log" 2>&1
-echo "exit $?" >>"$LOGS/memcheck.log"
-grep -E "ERROR SUMMARY|PASSED|FAILED|^exit" "$LOGS/memcheck.log" | tail -5 >>"$LOG"
-
-say "python tests"
-wait "$pybuild_pid"; echo "python build exit $?" | tee -a "$LOG"
-PYTHONPATH=/tmp/build-py/python timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/python \
-  >"$LOGS/python.log" 2>&1
-echo "exit $?" >>"$LOGS/python.log"
-grep -E "passed|failed|SKIPPED|Error" "$LOGS/python.log" | tail -20 >>"$LOG"
-
-say "wait for training"
-wait "$train_pid"
-tail -25 "$LOGS/train.log" >>"$LOG"
-mkdir -p "$OUT/km"
-for f in config.json model.safetensors train_log.json; do
-  cp "/tmp/km/$f" "$OUT/km/" && cp "/tmp/km/$f" examples/kimi_mini/
+for step in $STEPS; do
+  case $step in
+  train)
+    say "train kimi_mini (${TRAIN_SECONDS:-185} s), alone"
+    bash examples/kimi_mini/train_on_device.sh /tmp/km "${TRAIN_SECONDS:-185}" 12 >"$LOGS/train.log" 2>&1
+    echo "train exit $?" >>"$LOGS/train.log"
+    grep -v "^step" "$LOGS/train.log" | tail -12 >>"$LOG"
+    mkdir -p "$OUT/km"
+    for f in config.json model.safetensors train_log.json; do
+      cp "/tmp/km/$f" "$OUT/km/" && cp "/tmp/km/$f" examples/kimi_mini/
+    done ;;
+  tests)
+    say "gpu tests"
+    timeout 240 "$TESTS" --gtest_filter='Sm90*:ReliabilitySanitize*:-*Bench*' >"$LOGS/gpu_tests.log" 2>&1
+    echo "exit $?" >>"$LOGS/gpu_tests.log"
+    grep -E "^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests? ran|^exit|fraction|flip|Failure" "$LOGS/gpu_tests.log" | tail -40 >>"$LOG" ;;
+  overlap)
+    say "layer tests on the opt-in GEMM tiles (MEGAMOE_SM90_GEMM_OVERLAP=1)"
+    MEGAMOE_SM90_GEMM_OVERLAP=1 timeout 150 "$TESTS" --gtest_filter='Sm90Layer*' >"$LOGS/layer_overlap.log" 2>&1
+    echo "exit $?" >>"$LOGS/layer_overlap.log"
+    grep -E "^\[  FAILED|^\[  PASSED|tests? ran|^exit|Failure" "$LOGS/layer_overlap.log" | tail -20 >>"$LOG" ;;
+  memcheck)
+    say "compute-sanitizer memcheck (small layer driver)"
+    timeout 100 compute-sanitizer --tool memcheck --error-exitcode 99 "$TESTS" \
+      --gtest_filter='ReliabilitySanitize.*' >"$LOGS/memcheck.log" 2>&1
+    echo "exit $?" >>"$LOGS/memcheck.log"
+    grep -E "ERROR SUMMARY|PASSED|FAILED|^exit" "$LOGS/memcheck.log" | tail -5 >>"$LOG" ;;
+  model)
+    say "model GPU gate"
+    timeout 150 "$TESTS" --gtest_filter='ModelGpu*' >"$LOGS/model_gpu.log" 2>&1
+    echo "exit $?" >>"$LOGS/model_gpu.log"
+    grep -E "kimi_mini|OK|FAILED|PASSED|Failure|^exit" "$LOGS/model_gpu.log" | tail -10 >>"$LOG" ;;
+  python)
+    say "python tests"
+    wait "$pybuild_pid"; echo "python build exit $?" | tee -a "$LOG"
+    tail -3 "$LOGS/python_build.log" >>"$LOG"
+    python3 -c "import nanobind, sys; print('python', sys.version.split()[0], 'nanobind', nanobind.__version__)" >>"$LOG" 2>&1
+    PYTHONPATH=/tmp/build-py/python timeout 200 python3 -X faulthandler -m pytest -q -rs -p no:cacheprovider tests/python \
+      >"$LOGS/python.log" 2>&1
+    echo "exit $?" >>"$LOGS/python.log"
+    grep -E "passed|failed|SKIPPED|Error|Fatal|File \"|^exit" "$LOGS/python.log" | tail -30 >>"$LOG" ;;
+  gemmbench)
+    say "grouped GEMM benchmark (every tile config)"
+    timeout "${GEMMBENCH_SECONDS:-200}" "$TESTS" --gtest_also_run_disabled_tests --gtest_filter='Sm90GemmBench.*' \
+      >"$LOGS/gemm_bench.log" 2>&1
+    echo "exit $?" >>"$LOGS/gemm_bench.log"
+    grep -E "bench|copy|^exit|FAILED" "$LOGS/gemm_bench.log" >>"$OUT/gemm_bench.txt"
+    tail -3 "$LOGS/gemm_bench.log" >>"$LOG" ;;
+  layerbench)
+    say "layer benchmark (default tiles, then MEGAMOE_SM90_GEMM_OVERLAP=1)"
+    timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 --git-rev "$(cat REVISION 2>/dev/null || echo unknown)" \
+      --json "$OUT/layer_default.jsonl" >"$OUT/layer_default.txt" 2>&1
+    echo "exit $?" >>"$OUT/layer_default.txt"
+    MEGAMOE_SM90_GEMM_OVERLAP=1 timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 \
+      --git-rev "$(cat REVISION 2>/dev/null || echo unknown)-overlap" --json "$OUT/layer_overlap.jsonl" \
+      >"$OUT/layer_overlap.txt" 2>&1
+    echo "exit $?" >>"$OUT/layer_overlap.txt"
+    tail -2 "$OUT/layer_default.txt" "$OUT/layer_overlap.txt" >>"$LOG" ;;
+  reliability)
+    say "reliability (${REL_PART:-all})"
+    OUT="$OUT/reliability" timeout 560 bash tests/gpu/run_reliability.sh "$BIN" "${REL_PART:-all}" >"$LOGS/reliability.log" 2>&1
+    echo "exit $?" >>"$LOGS/reliability.log"
+    cat "$OUT/reliability/reliability_summary.txt" >>"$LOG" 2>/dev/null ;;
+  peers)
+    say "peers comparison"
+    PYTHONPATH=/tmp/build-py/python timeout "${PEERS_SECONDS:-170}" python3 bench/peers/compare.py \
+      --megamoe-bin "$CLI" --out /tmp/peers --shapes kimi-k3,deepseek-v3 --warm-parallel 3 \
+      --point-budget-s 0.1 --megamoe-timeout 60 --peer-timeout 60 --total-timeout 110 \
+      >"$LOGS/peers.log" 2>&1
+    echo "exit $?" >>"$LOGS/peers.log"
+    tail -60 "$LOGS/peers.log" >>"$LOG"
+    for f in peers.jsonl table.md peers.png; do cp "/tmp/peers/$f" "$OUT/peers.${f#peers.}" 2>/dev/null; done
+    cp /tmp/peers/*.jsonl "$LOGS/" 2>/dev/null ;;
+  *) say "unknown step '$step'" ;;
+  esac
 done
-
-say "model GPU gate"
-timeout 150 "$TESTS" --gtest_filter='ModelGpu*' >"$LOGS/model_gpu.log" 2>&1
-echo "exit $?" >>"$LOGS/model_gpu.log"
-tail -25 "$LOGS/model_gpu.log" >>"$LOG"
-
-say "peers comparison"
-PYTHONPATH=/tmp/build-py/python timeout "${PEERS_SECONDS:-170}" python3 bench/peers/compare.py \
-  --megamoe-bin "$CLI" --out /tmp/peers --shapes kimi-k3,deepseek-v3 --warm-parallel 3 \
-  --point-budget-s 0.1 --megamoe-timeout 60 --peer-timeout 60 --total-timeout 110 \
-  >"$LOGS/peers.log" 2>&1
-echo "exit $?" >>"$LOGS/peers.log"
-tail -60 "$LOGS/peers.log" >>"$LOG"
-for f in peers.jsonl table.md peers.png; do cp "/tmp/peers/$f" "$OUT/peers.${f#peers.}" 2>/dev/null; done
-cp /tmp/peers/*.jsonl "$LOGS/" 2>/dev/null
+[ -n "$pybuild_pid" ] && wait "$pybuild_pid" 2>/dev/null
 say "done"
