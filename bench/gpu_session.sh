@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call that runs the GPU checks of the project on an H200 (a session's device time is
 # short, so everything shares one machine start). STEPS picks and orders them (default:
-# "tests overlap model python gemmbench"):
+# "tests serial model python gemmbench"):
 #   train       trains the example model (examples/kimi_mini, TRAIN_SECONDS) ALONE: sharing the
 #               GPU slowed training and made two layer tests run out of memory
 #   tests       megamoe_gpu_tests Sm90* (incl. the opt-in GEMM tiles) and ReliabilitySanitize*
-#   overlap     Sm90Layer* again with MEGAMOE_SM90_GEMM_OVERLAP=1 (the layer on the opt-in tiles)
+#   serial      Sm90Layer* again with MEGAMOE_SM90_GEMM_OVERLAP=0 (the layer on the serial tiles)
 #   memcheck    compute-sanitizer memcheck on the small reliability driver
 #   model       the example model's GPU gate (ModelGpu*)
 #   python      the Python tests (the extension is built there, in the background from the
@@ -51,7 +51,7 @@ TESTS=$BIN/tests/megamoe_gpu_tests
 [ -x "$TESTS" ] || TESTS=$BIN/megamoe_gpu_tests
 CLI=$BIN/megamoe
 
-STEPS=${STEPS:-tests overlap model python gemmbench}
+STEPS=${STEPS:-tests serial model python gemmbench}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 pybuild_pid=""
 if has python; then
@@ -78,11 +78,11 @@ for step in $STEPS; do
     timeout 240 "$TESTS" --gtest_filter='Sm90*:ReliabilitySanitize*:-*Bench*' >"$LOGS/gpu_tests.log" 2>&1
     echo "exit $?" >>"$LOGS/gpu_tests.log"
     grep -E "^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests? ran|^exit|fraction|flip|Failure" "$LOGS/gpu_tests.log" | tail -40 >>"$LOG" ;;
-  overlap)
-    say "layer tests on the opt-in GEMM tiles (MEGAMOE_SM90_GEMM_OVERLAP=1)"
-    MEGAMOE_SM90_GEMM_OVERLAP=1 timeout 150 "$TESTS" --gtest_filter='Sm90Layer*' >"$LOGS/layer_overlap.log" 2>&1
-    echo "exit $?" >>"$LOGS/layer_overlap.log"
-    grep -E "^\[  FAILED|^\[  PASSED|tests? ran|^exit|Failure" "$LOGS/layer_overlap.log" | tail -20 >>"$LOG" ;;
+  serial)
+    say "layer tests on the serial GEMM tiles (MEGAMOE_SM90_GEMM_OVERLAP=0)"
+    MEGAMOE_SM90_GEMM_OVERLAP=0 timeout 150 "$TESTS" --gtest_filter='Sm90Layer*' >"$LOGS/layer_serial.log" 2>&1
+    echo "exit $?" >>"$LOGS/layer_serial.log"
+    grep -E "^\[  FAILED|^\[  PASSED|tests? ran|^exit|Failure" "$LOGS/layer_serial.log" | tail -20 >>"$LOG" ;;
   memcheck)
     say "compute-sanitizer memcheck (small layer driver)"
     timeout 100 compute-sanitizer --tool memcheck --error-exitcode 99 "$TESTS" \
@@ -99,6 +99,18 @@ for step in $STEPS; do
     wait "$pybuild_pid"; echo "python build exit $?" | tee -a "$LOG"
     tail -3 "$LOGS/python_build.log" >>"$LOG"
     python3 -c "import nanobind, sys; print('python', sys.version.split()[0], 'nanobind', nanobind.__version__)" >>"$LOG" 2>&1
+    g++ --version | head -1 >>"$LOG" 2>&1
+    # The first C++ error inside MoELayer.forward crashed this image before (issue 6): the
+    # minimal reproduction, without and with torch loaded first, and its native backtrace.
+    for flag in "" --torch; do
+      PYTHONPATH=/tmp/build-py/python timeout 60 python3 tests/python/repro_forward_error.py $flag >>"$LOG" 2>&1
+      rc=$?; echo "repro_forward_error.py $flag: exit $rc" >>"$LOG"
+      if [ $rc -ne 0 ] && command -v gdb >/dev/null; then
+        PYTHONPATH=/tmp/build-py/python timeout 120 gdb -batch -ex run -ex bt -ex "info sharedlibrary" \
+          --args python3 tests/python/repro_forward_error.py $flag >"$LOGS/gdb$flag.log" 2>&1
+        grep -E "^#|SIGSEGV|libstdc|libgcc" "$LOGS/gdb$flag.log" | head -40 >>"$LOG"
+      fi
+    done
     PYTHONPATH=/tmp/build-py/python timeout 200 python3 -X faulthandler -m pytest -q -rs -p no:cacheprovider tests/python \
       >"$LOGS/python.log" 2>&1
     echo "exit $?" >>"$LOGS/python.log"
@@ -111,15 +123,15 @@ for step in $STEPS; do
     grep -E "bench|copy|^exit|FAILED" "$LOGS/gemm_bench.log" >>"$OUT/gemm_bench.txt"
     tail -3 "$LOGS/gemm_bench.log" >>"$LOG" ;;
   layerbench)
-    say "layer benchmark (default tiles, then MEGAMOE_SM90_GEMM_OVERLAP=1)"
+    say "layer benchmark (default tiles, then MEGAMOE_SM90_GEMM_OVERLAP=0)"
     timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 --git-rev "$(cat REVISION 2>/dev/null || echo unknown)" \
       --json "$OUT/layer_default.jsonl" >"$OUT/layer_default.txt" 2>&1
     echo "exit $?" >>"$OUT/layer_default.txt"
-    MEGAMOE_SM90_GEMM_OVERLAP=1 timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 \
-      --git-rev "$(cat REVISION 2>/dev/null || echo unknown)-overlap" --json "$OUT/layer_overlap.jsonl" \
-      >"$OUT/layer_overlap.txt" 2>&1
-    echo "exit $?" >>"$OUT/layer_overlap.txt"
-    tail -2 "$OUT/layer_default.txt" "$OUT/layer_overlap.txt" >>"$LOG" ;;
+    MEGAMOE_SM90_GEMM_OVERLAP=0 timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 \
+      --git-rev "$(cat REVISION 2>/dev/null || echo unknown)-serial" --json "$OUT/layer_serial.jsonl" \
+      >"$OUT/layer_serial.txt" 2>&1
+    echo "exit $?" >>"$OUT/layer_serial.txt"
+    tail -2 "$OUT/layer_default.txt" "$OUT/layer_serial.txt" >>"$LOG" ;;
   reliability)
     say "reliability (${REL_PART:-all})"
     OUT="$OUT/reliability" timeout 560 bash tests/gpu/run_reliability.sh "$BIN" "${REL_PART:-all}" >"$LOGS/reliability.log" 2>&1

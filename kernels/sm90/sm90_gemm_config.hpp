@@ -149,5 +149,17 @@ using PrefillWideOverlapConfig = GemmConfig<2, 1, 192, 16, 7, 1, true>;
 //            as long as the mainloop; the staged one is a short rolled loop.
 using PrefillStagedConfig = GemmConfig<2, 2, 128, 16, 7, 1, true, true>;
 using PrefillWideStagedConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true>;
+//   Decode*X2: decode tiles of 128 weight rows (one math warpgroup, two 64-row blocks with their
+//            own accumulators), 4 CTAs per SM. The serial mainloop issues the two blocks' wgmmas
+//            interleaved (k16 step outer, block inner), so each stage has two independent
+//            accumulator chains where the 64-row tiles have one, and twice the weight bytes per
+//            barrier round trip; the B (token) bytes per weight byte halve.
+//            NOTES: why: a decode stage of the 64-row tiles takes ~1200 cycles per CTA (1.5-1.8
+//            TB/s over 4 CTAs x 2 KiB stages per SM), about four dependent m64n16k16 wgmmas plus
+//            the barrier round trip, not the conversion (overlapping it gained 6-10 %).
+//            7 / 8 stages keep 4 CTAs within the SM's shared memory at E_l = 896.
+using Decode16X2Config = GemmConfig<1, 2, 16, 8, 7, 4>;
+using Decode8X2Config = GemmConfig<1, 2, 8, 8, 8, 4>;
+using Decode16X2OverlapConfig = GemmConfig<1, 2, 16, 8, 7, 4, true>;
 
 }  // namespace megamoe::sm90

@@ -22,6 +22,10 @@ namespace {
 // 64-row weight tiles spread the weight stream over all SMs; above it, the prefill config's
 // 256 x 128 tiles reuse each weight tile for up to 128 rows.
 constexpr int64_t kDecodeMaxAvgRows = 16;
+// The overlapped configs switch earlier: at 16 average rows (DeepSeek-V3, T = 512) the staged
+// prefill tiles ran 14 % (L1) and 12 % (L2) faster than the overlapped 16-row decode tile, at 9
+// (Kimi-K3, T = 512) 15 % slower (H200, revision c68aefa, docs/perf.md).
+constexpr int64_t kDecodeOverlapMaxAvgRows = 12;
 // At or below 4 average rows, 8-row tiles (half the B bytes per stage; most experts get 1-3 rows).
 constexpr int64_t kDecode8MaxAvgRows = 4;
 // Average rows in (112, 166] (overlapped configs only): the 128 x 192 tiles (PrefillWide) hold an expert's rows in one
@@ -80,11 +84,11 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
-// MEGAMOE_SM90_GEMM_OVERLAP=1: kAuto picks among the overlapped-mainloop configs (opt-in).
+// kAuto picks among the overlapped-mainloop configs unless MEGAMOE_SM90_GEMM_OVERLAP=0.
 bool overlap_by_default() {
   static const bool on = [] {
     const char* v = std::getenv("MEGAMOE_SM90_GEMM_OVERLAP");
-    return v != nullptr && std::strcmp(v, "1") == 0;
+    return v == nullptr || std::strcmp(v, "0") != 0;
   }();
   return on;
 }
@@ -92,8 +96,8 @@ bool overlap_by_default() {
 template <GemmKind kKind>
 void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16_t* b_rows,
             cudaStream_t stream) {
-  if (tile == GemmTile::kAuto && overlap_by_default()) tile = GemmTile::kAutoOverlap;
-  if (tile == GemmTile::kAuto || tile == GemmTile::kAutoOverlap) {
+  if (tile == GemmTile::kAuto) tile = overlap_by_default() ? GemmTile::kAutoOverlap : GemmTile::kAutoSerial;
+  if (tile == GemmTile::kAutoSerial || tile == GemmTile::kAutoOverlap) {
     const bool overlap = tile == GemmTile::kAutoOverlap;
     const int64_t rows = rows_bound > 0 ? std::min<int64_t>(rows_bound, p.max_rows) : p.max_rows;
     const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
@@ -102,7 +106,7 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
       // NOTES: no overlapped 8-row decode tile: its first version wrote h_q/h_act that disagreed
       // on the H200 (device run at dbab4e4) and was removed; overlap uses the 16-row tile here.
       tile = overlap ? GemmTile::kDecode16Overlap : GemmTile::kDecode8;
-    } else if (avg <= kDecodeMaxAvgRows) {
+    } else if (avg <= (overlap ? kDecodeOverlapMaxAvgRows : kDecodeMaxAvgRows)) {
       tile = overlap ? GemmTile::kDecode16Overlap : GemmTile::kDecode16;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
       tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillWideStaged : GemmTile::kPrefillWideOverlap;
@@ -131,8 +135,14 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     case GemmTile::kPrefillWideStaged:
       launch_config<PrefillWideStagedConfig, kKind>(p, b_rows, stream);
       return;
+    case GemmTile::kDecode16X2: launch_config<Decode16X2Config, kKind>(p, b_rows, stream); return;
+    case GemmTile::kDecode8X2: launch_config<Decode8X2Config, kKind>(p, b_rows, stream); return;
+    case GemmTile::kDecode16X2Overlap:
+      launch_config<Decode16X2OverlapConfig, kKind>(p, b_rows, stream);
+      return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
+    case GemmTile::kAutoSerial:
       break;
   }
   MEGAMOE_CHECK_ARG(false, "sm90 gemm: tile: expected a GemmTile value, got ",

@@ -40,11 +40,12 @@ constexpr int64_t kRowSlack = 256;  // extra rows allocated after max_rows in ev
 // rows_bound and the expert count; the others force one (tests and the micro-benchmark compare
 // them). Every choice computes the same function (FP32 sums of exact products; only the
 // summation order may differ between configurations).
-// The *Overlap configurations use the overlapped mainloop (next block's conversion during the
-// current wgmmas, one-multiply conversion) and are opt-in until validated and measured on an
-// H200: kAutoOverlap picks among them as kAuto does among the default ones (L1 at prefill: the
-// staged-epilogue tiles), and the environment variable MEGAMOE_SM90_GEMM_OVERLAP=1 (read once
-// per process) makes kAuto behave as kAutoOverlap.
+// The *Overlap / *Staged configurations use the overlapped mainloop (next block's conversion
+// during the current wgmmas, one-multiply conversion; Staged: the L1 epilogue through shared
+// memory). Measured on an H200 (docs/perf.md, GEMM tuning log) they beat the serial ones at every
+// token count, so kAuto picks among them (= kAutoOverlap); kAutoSerial is the former policy over
+// the serial configurations, and the environment variable MEGAMOE_SM90_GEMM_OVERLAP=0 (read once
+// per process) makes kAuto behave as kAutoSerial.
 enum class GemmTile : int {
   kAuto = 0,
   kDecode8 = 1,              // 64 weight rows x 8 token rows, 4 CTAs per SM
@@ -57,6 +58,10 @@ enum class GemmTile : int {
   kPrefillWideOverlap = 8,   // 128 x up to 192
   kPrefillStaged = 9,        // kPrefillOverlap + L1 epilogue staged through shared memory
   kPrefillWideStaged = 10,   // kPrefillWideOverlap + the same
+  kDecode16X2 = 11,          // 128 weight rows (two chains) x 16 token rows, serial, 4 CTAs per SM
+  kDecode8X2 = 12,           // 128 x 8, serial
+  kDecode16X2Overlap = 13,   // kDecode16X2 with the overlapped mainloop
+  kAutoSerial = 14,          // kAuto's choice among the serial configs (1, 2, 3)
 };
 
 struct L1Args {

@@ -373,15 +373,17 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
   run_l2_case(p, p.rows, false);
 }
 
-// The default tile configurations (kAuto picks among them) and the opt-in ones (kAutoOverlap,
-// MEGAMOE_SM90_GEMM_OVERLAP=1). The opt-in ones are tested in their own suite, Sm90GemmOptIn, so
-// a failure there is attributed to them and leaves the default suite's verdict alone.
-constexpr sm90::GemmTile kDefaultTiles[] = {sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16,
-                                            sm90::GemmTile::kPrefill};
-constexpr sm90::GemmTile kOptInTiles[] = {
-    sm90::GemmTile::kDecode16Overlap,
-    sm90::GemmTile::kPrefillOverlap,     sm90::GemmTile::kPrefillWideOverlap,
-    sm90::GemmTile::kPrefillStaged,      sm90::GemmTile::kPrefillWideStaged};
+// The tile configurations kAuto picks among (the overlapped ones), those of kAutoSerial (the
+// serial mainloop, MEGAMOE_SM90_GEMM_OVERLAP=0), and candidates not chosen by any policy yet
+// (timed by Sm90GemmBench). The candidates are tested in their own suite, Sm90GemmOptIn, so a
+// failure there is attributed to them and leaves the default suite's verdict alone.
+constexpr sm90::GemmTile kDefaultTiles[] = {
+    sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kPrefillOverlap,
+    sm90::GemmTile::kPrefillWideOverlap, sm90::GemmTile::kPrefillStaged,
+    sm90::GemmTile::kPrefillWideStaged,
+    sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16, sm90::GemmTile::kPrefill};
+constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
+                                          sm90::GemmTile::kDecode16X2Overlap};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -436,15 +438,15 @@ TEST(Sm90GemmOptIn, ScalesAboveAndBelow128) {
   for (const sm90::GemmTile tile : kOptInTiles) wide_scale_case(tile);
 }
 
-// kAutoOverlap as the layer would get it with MEGAMOE_SM90_GEMM_OVERLAP=1 (decode and prefill
-// picks on the Kimi-K3 shape).
-TEST(Sm90GemmOptIn, KimiShapeAutoOverlap) {
+// kAutoSerial as the layer gets it with MEGAMOE_SM90_GEMM_OVERLAP=0 (decode and prefill picks on
+// the Kimi-K3 shape; kAuto's picks are Sm90Gemm.KimiShapeDecodeAndOneLargeExpert).
+TEST(Sm90Gemm, KimiShapeAutoSerial) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(3584, 3072, {1, 0, 2, 0, 129}, false, 6);
-  run_l1_case(p, 4, Activation::situ(4.0f, 25.0f), true, false, sm90::GemmTile::kAutoOverlap);
-  run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, false, sm90::GemmTile::kAutoOverlap);
-  run_l2_case(p, 4, false, sm90::GemmTile::kAutoOverlap);
-  run_l2_case(p, p.rows, false, sm90::GemmTile::kAutoOverlap);
+  run_l1_case(p, 4, Activation::situ(4.0f, 25.0f), true, false, sm90::GemmTile::kAutoSerial);
+  run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, false, sm90::GemmTile::kAutoSerial);
+  run_l2_case(p, 4, false, sm90::GemmTile::kAutoSerial);
+  run_l2_case(p, p.rows, false, sm90::GemmTile::kAutoSerial);
 }
 
 TEST(Sm90Gemm, Rows4096OneExpert) {
@@ -540,9 +542,17 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
       a2.num_experts = int(s.E); a2.hidden = s.H; a2.intermediate = s.I; a2.max_rows = max_rows;
       a2.rows_bound = rows; a2.h_act = hact.as<uint16_t>(); a2.row_weights = d_rw.as<float>();
       a2.w2 = w2.as<uint8_t>(); a2.w2_sf = w2sf.as<uint8_t>(); a2.out = out.as<uint16_t>();
-      // kAuto is what the layer runs; kAutoOverlap the opt-in overlapped configs; at T >= 512
-      // both overlapped prefill tiles are also timed forced (tile numbers: sm90::GemmTile).
-      std::vector<sm90::GemmTile> variants = {sm90::GemmTile::kAuto, sm90::GemmTile::kAutoOverlap};
+      // kAuto is what the layer runs (the overlapped configs); kAutoSerial the former default
+      // (serial configs); decode and prefill tiles are also timed forced where they could be
+      // chosen (tile numbers: sm90::GemmTile).
+      std::vector<sm90::GemmTile> variants = {sm90::GemmTile::kAuto, sm90::GemmTile::kAutoSerial};
+      if (T <= 512) {
+        variants.push_back(sm90::GemmTile::kDecode16);
+        variants.push_back(sm90::GemmTile::kDecode16Overlap);
+        variants.push_back(sm90::GemmTile::kDecode16X2);
+        variants.push_back(sm90::GemmTile::kDecode8X2);
+        variants.push_back(sm90::GemmTile::kDecode16X2Overlap);
+      }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
         variants.push_back(sm90::GemmTile::kPrefillWideOverlap);
