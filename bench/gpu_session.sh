@@ -50,6 +50,7 @@ echo "revision $(cat REVISION 2>/dev/null || echo unknown)" >>"$LOG"
 TESTS=$BIN/tests/megamoe_gpu_tests
 [ -x "$TESTS" ] || TESTS=$BIN/megamoe_gpu_tests
 CLI=$BIN/megamoe
+export MEGAMOE_CLI="$CLI"  # the Python GPU tests cross-check against it
 
 STEPS=${STEPS:-tests serial model python gemmbench}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -75,7 +76,7 @@ for step in $STEPS; do
     done ;;
   tests)
     say "gpu tests"
-    timeout 240 "$TESTS" --gtest_filter='Sm90*:ReliabilitySanitize*:-*Bench*' >"$LOGS/gpu_tests.log" 2>&1
+    timeout 240 "$TESTS" --gtest_filter="${TESTS_FILTER:-Sm90*:ReliabilitySanitize*:-*Bench*}" >"$LOGS/gpu_tests.log" 2>&1
     echo "exit $?" >>"$LOGS/gpu_tests.log"
     grep -E "^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests? ran|^exit|fraction|flip|Failure" "$LOGS/gpu_tests.log" | tail -40 >>"$LOG" ;;
   serial)
@@ -100,21 +101,42 @@ for step in $STEPS; do
     tail -3 "$LOGS/python_build.log" >>"$LOG"
     python3 -c "import nanobind, sys; print('python', sys.version.split()[0], 'nanobind', nanobind.__version__)" >>"$LOG" 2>&1
     g++ --version | head -1 >>"$LOG" 2>&1
-    # The first C++ error inside MoELayer.forward crashed this image before (issue 6): the
-    # minimal reproduction, without and with torch loaded first, and its native backtrace.
-    for flag in "" --torch; do
-      PYTHONPATH=/tmp/build-py/python timeout 60 python3 tests/python/repro_forward_error.py $flag >>"$LOG" 2>&1
-      rc=$?; echo "repro_forward_error.py $flag: exit $rc" >>"$LOG"
-      if [ $rc -ne 0 ] && command -v gdb >/dev/null; then
-        PYTHONPATH=/tmp/build-py/python timeout 120 gdb -batch -ex run -ex bt -ex "info sharedlibrary" \
-          --args python3 tests/python/repro_forward_error.py $flag >"$LOGS/gdb$flag.log" 2>&1
-        grep -E "^#|SIGSEGV|libstdc|libgcc" "$LOGS/gdb$flag.log" | head -40 >>"$LOG"
-      fi
+    # The first C++ error raised in the extension crashed this image before (issue 6): the
+    # minimal reproduction with the extension built here, then with one built on the development
+    # machine (g++ 12, carried in .carry/py312 when present), without and with torch loaded
+    # first, with native backtraces (MEGAMOE_CRASH_TRACE=1).
+    cp /tmp/build-py/python/megamoe/_megamoe*.so "$OUT/" 2>/dev/null
+    for ext in /tmp/build-py/python "$ROOT/.carry/py312"; do
+      [ -d "$ext" ] || continue
+      for flag in "" --torch; do
+        MEGAMOE_CRASH_TRACE=1 PYTHONPATH=$ext timeout 60 python3 tests/python/repro_forward_error.py $flag >>"$LOG" 2>&1
+        rc=$?; echo "repro_forward_error.py $flag with $ext: exit $rc" >>"$LOG"
+        # gdb is not installed on the GPU machine; cuda-gdb debugs host code as well.
+        dbg=$(command -v gdb || command -v cuda-gdb || echo /usr/local/cuda/bin/cuda-gdb)
+        if [ $rc -ne 0 ] && [ -z "$flag" ] && [ -x "$dbg" ]; then
+          PYTHONPATH=$ext timeout 90 "$dbg" -batch -ex run -ex bt -ex "info registers rip" \
+            --args python3 tests/python/repro_forward_error.py >"$LOGS/gdb_$(basename "$(dirname "$ext")").log" 2>&1
+          grep -E "^#|SIG|rip" "$LOGS/gdb_$(basename "$(dirname "$ext")").log" | head -30 >>"$LOG"
+        fi
+      done
     done
     PYTHONPATH=/tmp/build-py/python timeout 200 python3 -X faulthandler -m pytest -q -rs -p no:cacheprovider tests/python \
       >"$LOGS/python.log" 2>&1
     echo "exit $?" >>"$LOGS/python.log"
-    grep -E "passed|failed|SKIPPED|Error|Fatal|File \"|^exit" "$LOGS/python.log" | tail -30 >>"$LOG" ;;
+    grep -E "passed|failed|SKIPPED|Error|Fatal|^exit" "$LOGS/python.log" | tail -30 >>"$LOG"
+    # The GPU tests alone too (the whole suite stops at a crash).
+    PYTHONPATH=/tmp/build-py/python timeout 120 python3 -X faulthandler -m pytest -q -rs -p no:cacheprovider \
+      tests/python/test_gpu.py >"$LOGS/python_gpu.log" 2>&1
+    echo "exit $?" >>"$LOGS/python_gpu.log"
+    grep -E "passed|failed|SKIPPED|Error|Fatal|^exit|test_gpu.py\", line" "$LOGS/python_gpu.log" | tail -30 >>"$LOG"
+    # The whole suite with the development machine's extension, when this image's crashed.
+    if [ -d "$ROOT/.carry/py312" ] && grep -q "^exit 139" "$LOGS/python.log"; then
+      PYTHONPATH=$ROOT/.carry/py312 timeout 200 python3 -X faulthandler -m pytest -q -rs -p no:cacheprovider tests/python \
+        >"$LOGS/python_py312.log" 2>&1
+      echo "exit $?" >>"$LOGS/python_py312.log"
+      echo "-- pytest with the extension built on the development machine:" >>"$LOG"
+      grep -E "passed|failed|SKIPPED|Error|Fatal|^exit" "$LOGS/python_py312.log" | tail -30 >>"$LOG"
+    fi ;;
   gemmbench)
     say "grouped GEMM benchmark (every tile config)"
     timeout "${GEMMBENCH_SECONDS:-200}" "$TESTS" --gtest_also_run_disabled_tests --gtest_filter='Sm90GemmBench.*' \

@@ -161,5 +161,10 @@ using PrefillWideStagedConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true>;
 using Decode16X2Config = GemmConfig<1, 2, 16, 8, 7, 4>;
 using Decode8X2Config = GemmConfig<1, 2, 8, 8, 8, 4>;
 using Decode16X2OverlapConfig = GemmConfig<1, 2, 16, 8, 7, 4, true>;
+//   Candidates after Decode16X2Overlap won (timed by Sm90GemmBench, chosen by no policy yet):
+//   four chains per stage (256 rows, 4 stages fit), and two chains with 3 CTAs per SM but a
+//   deeper pipeline (10 stages).
+using Decode16X4OverlapConfig = GemmConfig<1, 4, 16, 8, 4, 4, true>;
+using Decode16X2Overlap3Config = GemmConfig<1, 2, 16, 8, 10, 3, true>;
 
 }  // namespace megamoe::sm90

@@ -84,6 +84,8 @@ class WeightsHolder {
 };
 
 // Registration of each binding file (module.cpp calls them in this order).
+// MEGAMOE_CRASH_TRACE=1: native backtrace on SIGSEGV/SIGBUS/SIGILL/SIGABRT (crash_trace.cpp).
+void install_crash_trace();
 void register_errors(nb::module_& m);
 void register_formats(nb::module_& m);
 void register_config(nb::module_& m);

@@ -42,6 +42,7 @@ void register_runtime(nb::module_& m) {
 NB_MODULE(_megamoe, m) {
   namespace py = megamoe::python;
   m.doc() = "megamoe native extension (thin bindings; the API is the megamoe package)";
+  py::install_crash_trace();  // only with MEGAMOE_CRASH_TRACE=1
   py::register_errors(m);
   py::register_runtime(m);
   py::register_formats(m);

@@ -26,6 +26,14 @@ constexpr int64_t kDecodeMaxAvgRows = 16;
 // prefill tiles ran 14 % (L1) and 12 % (L2) faster than the overlapped 16-row decode tile, at 9
 // (Kimi-K3, T = 512) 15 % slower (H200, revision c68aefa, docs/perf.md).
 constexpr int64_t kDecodeOverlapMaxAvgRows = 12;
+// The 128-row decode tile (Decode16X2Overlap) is used when its tiles cover at least 3/4 of the
+// CTA slots (SMs x 4): on the H200 (revision c2f4f9b) it streamed weights 1.1-1.2x faster than
+// the 64-row tile from T = 8 up, and at T = 1 whenever it had enough tiles (Kimi-K3 L1: 512
+// tiles, 117 against 123 us; DeepSeek-V3 L2: 448 tiles, 45 against 52 us), but lost with half
+// the slots empty (DeepSeek-V3 L1 at T = 1: 256 tiles, 105 against 82 us).
+constexpr int64_t kDecodeX2Rows = Decode16X2OverlapConfig::kBlockM;
+constexpr int64_t kDecodeCtasPerSm = Decode16X2OverlapConfig::kMinBlocksPerSM;
+constexpr int64_t kDecodeX2FillNum = 3, kDecodeX2FillDen = 4;
 // At or below 4 average rows, 8-row tiles (half the B bytes per stage; most experts get 1-3 rows).
 constexpr int64_t kDecode8MaxAvgRows = 4;
 // Average rows in (112, 166] (overlapped configs only): the 128 x 192 tiles (PrefillWide) hold an expert's rows in one
@@ -102,12 +110,18 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     const int64_t rows = rows_bound > 0 ? std::min<int64_t>(rows_bound, p.max_rows) : p.max_rows;
     const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
     const int64_t avg = rows / active;
+    // Decode with the overlapped configs: the 128-row tile (two accumulator chains per stage)
+    // when its tiles fill enough of the persistent grid, else the 64-row one.
+    const int64_t x2_tiles = active * ((p.m_rows + kDecodeX2Rows - 1) / kDecodeX2Rows);
+    const bool x2_fills = x2_tiles * kDecodeX2FillDen >=
+                          int64_t{cuda::device_info().sm_count} * kDecodeCtasPerSm * kDecodeX2FillNum;
+    const GemmTile decode_overlap = x2_fills ? GemmTile::kDecode16X2Overlap : GemmTile::kDecode16Overlap;
     if (avg <= kDecode8MaxAvgRows) {
       // NOTES: no overlapped 8-row decode tile: its first version wrote h_q/h_act that disagreed
-      // on the H200 (device run at dbab4e4) and was removed; overlap uses the 16-row tile here.
-      tile = overlap ? GemmTile::kDecode16Overlap : GemmTile::kDecode8;
+      // on the H200 (device run at dbab4e4) and was removed; overlap uses the 16-row tiles here.
+      tile = overlap ? decode_overlap : GemmTile::kDecode8;
     } else if (avg <= (overlap ? kDecodeOverlapMaxAvgRows : kDecodeMaxAvgRows)) {
-      tile = overlap ? GemmTile::kDecode16Overlap : GemmTile::kDecode16;
+      tile = overlap ? decode_overlap : GemmTile::kDecode16;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
       tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillWideStaged : GemmTile::kPrefillWideOverlap;
     } else if (overlap) {
@@ -139,6 +153,12 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     case GemmTile::kDecode8X2: launch_config<Decode8X2Config, kKind>(p, b_rows, stream); return;
     case GemmTile::kDecode16X2Overlap:
       launch_config<Decode16X2OverlapConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kDecode16X4Overlap:
+      launch_config<Decode16X4OverlapConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kDecode16X2Overlap3:
+      launch_config<Decode16X2Overlap3Config, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:

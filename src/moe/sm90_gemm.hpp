@@ -62,6 +62,8 @@ enum class GemmTile : int {
   kDecode8X2 = 12,           // 128 x 8, serial
   kDecode16X2Overlap = 13,   // kDecode16X2 with the overlapped mainloop
   kAutoSerial = 14,          // kAuto's choice among the serial configs (1, 2, 3)
+  kDecode16X4Overlap = 15,   // 256 weight rows (four chains) x 16, overlapped, 4 CTAs per SM
+  kDecode16X2Overlap3 = 16,  // kDecode16X2Overlap with 3 CTAs per SM and 10 stages
 };
 
 struct L1Args {
