@@ -101,6 +101,8 @@ for step in $STEPS; do
     tail -3 "$LOGS/python_build.log" >>"$LOG"
     python3 -c "import nanobind, sys; print('python', sys.version.split()[0], 'nanobind', nanobind.__version__)" >>"$LOG" 2>&1
     g++ --version | head -1 >>"$LOG" 2>&1
+    echo "g++ -print-file-name=libstdc++.so: $(g++ -print-file-name=libstdc++.so); LDFLAGS='${LDFLAGS:-}'" >>"$LOG"
+    readelf -d /tmp/build-py/python/megamoe/_megamoe*.so 2>&1 | grep NEEDED >>"$LOG"
     # The first C++ error raised in the extension crashed this image before (issue 6): the
     # minimal reproduction with the extension built here, then with one built on the development
     # machine (g++ 12, carried in .carry/py312 when present), without and with torch loaded

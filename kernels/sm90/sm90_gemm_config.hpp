@@ -161,9 +161,10 @@ using PrefillWideStagedConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true>;
 using Decode16X2Config = GemmConfig<1, 2, 16, 8, 7, 4>;
 using Decode8X2Config = GemmConfig<1, 2, 8, 8, 8, 4>;
 using Decode16X2OverlapConfig = GemmConfig<1, 2, 16, 8, 7, 4, true>;
-//   Candidates after Decode16X2Overlap won (timed by Sm90GemmBench, chosen by no policy yet):
-//   four chains per stage (256 rows, 4 stages fit), and two chains with 3 CTAs per SM but a
-//   deeper pipeline (10 stages).
+//   Decode16X4Overlap: four chains per stage (256 rows, 4 stages fit; ptxas spills 12-20 bytes),
+//            chosen at <= 4 average rows when its tiles fill the grid (1.05-1.08x over X2 at
+//            T = 8, 64). Decode16X2Overlap3 (candidate, no policy picks it): two chains, 3 CTAs
+//            per SM, 10 stages; best only at Kimi-K3 T = 1 L1 (111 against 120 us).
 using Decode16X4OverlapConfig = GemmConfig<1, 4, 16, 8, 4, 4, true>;
 using Decode16X2Overlap3Config = GemmConfig<1, 2, 16, 8, 10, 3, true>;
 

@@ -31,9 +31,13 @@ constexpr int64_t kDecodeOverlapMaxAvgRows = 12;
 // the 64-row tile from T = 8 up, and at T = 1 whenever it had enough tiles (Kimi-K3 L1: 512
 // tiles, 117 against 123 us; DeepSeek-V3 L2: 448 tiles, 45 against 52 us), but lost with half
 // the slots empty (DeepSeek-V3 L1 at T = 1: 256 tiles, 105 against 82 us).
+// The 256-row tile (Decode16X4Overlap, four chains) likewise at <= 4 average rows: 1.05-1.08x
+// over the 128-row tile at T = 8 and 64 (H200, a5576ca), slower at T = 1 with too few tiles.
 constexpr int64_t kDecodeX2Rows = Decode16X2OverlapConfig::kBlockM;
+constexpr int64_t kDecodeX4Rows = Decode16X4OverlapConfig::kBlockM;
 constexpr int64_t kDecodeCtasPerSm = Decode16X2OverlapConfig::kMinBlocksPerSM;
-constexpr int64_t kDecodeX2FillNum = 3, kDecodeX2FillDen = 4;
+static_assert(Decode16X4OverlapConfig::kMinBlocksPerSM == kDecodeCtasPerSm, "same grid per SM");
+constexpr int64_t kDecodeFillNum = 3, kDecodeFillDen = 4;
 // At or below 4 average rows, 8-row tiles (half the B bytes per stage; most experts get 1-3 rows).
 constexpr int64_t kDecode8MaxAvgRows = 4;
 // Average rows in (112, 166] (overlapped configs only): the 128 x 192 tiles (PrefillWide) hold an expert's rows in one
@@ -110,12 +114,18 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     const int64_t rows = rows_bound > 0 ? std::min<int64_t>(rows_bound, p.max_rows) : p.max_rows;
     const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
     const int64_t avg = rows / active;
-    // Decode with the overlapped configs: the 128-row tile (two accumulator chains per stage)
-    // when its tiles fill enough of the persistent grid, else the 64-row one.
-    const int64_t x2_tiles = active * ((p.m_rows + kDecodeX2Rows - 1) / kDecodeX2Rows);
-    const bool x2_fills = x2_tiles * kDecodeX2FillDen >=
-                          int64_t{cuda::device_info().sm_count} * kDecodeCtasPerSm * kDecodeX2FillNum;
-    const GemmTile decode_overlap = x2_fills ? GemmTile::kDecode16X2Overlap : GemmTile::kDecode16Overlap;
+    // Decode with the overlapped configs: the widest weight tile (most accumulator chains per
+    // stage) whose tiles still fill enough of the persistent grid; four chains only at <= 4
+    // average rows (at Kimi-K3 T = 512, 9 rows, four chains lost to two on L1).
+    const int64_t slots = int64_t{cuda::device_info().sm_count} * kDecodeCtasPerSm;
+    auto fills = [&](int64_t tile_rows) {
+      const int64_t tiles = active * ((p.m_rows + tile_rows - 1) / tile_rows);
+      return tiles * kDecodeFillDen >= slots * kDecodeFillNum;
+    };
+    const GemmTile decode_overlap =
+        avg <= kDecode8MaxAvgRows && fills(kDecodeX4Rows) ? GemmTile::kDecode16X4Overlap
+        : fills(kDecodeX2Rows)                            ? GemmTile::kDecode16X2Overlap
+                                                          : GemmTile::kDecode16Overlap;
     if (avg <= kDecode8MaxAvgRows) {
       // NOTES: no overlapped 8-row decode tile: its first version wrote h_q/h_act that disagreed
       // on the H200 (device run at dbab4e4) and was removed; overlap uses the 16-row tiles here.

@@ -379,12 +379,11 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
 // failure there is attributed to them and leaves the default suite's verdict alone.
 constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kDecode16X2Overlap,
-    sm90::GemmTile::kPrefillOverlap,
+    sm90::GemmTile::kDecode16X4Overlap, sm90::GemmTile::kPrefillOverlap,
     sm90::GemmTile::kPrefillWideOverlap, sm90::GemmTile::kPrefillStaged,
     sm90::GemmTile::kPrefillWideStaged,
     sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16, sm90::GemmTile::kPrefill};
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
-                                          sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X2Overlap3};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
