@@ -12,6 +12,7 @@
 #               start, since its Python is not this machine's), with faulthandler on
 #   gemmbench   the grouped-GEMM benchmark of every tile config (Sm90GemmBench.*)
 #   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3, default and opt-in tiles
+#   ncu         Nsight Compute on the decode GEMMs of `megamoe bench` (stall reasons, DRAM use)
 #   reliability tests/gpu/run_reliability.sh (REL_PART: all, soak or sanitizers)
 #   peers       the side-by-side comparison with the peers (bench/peers/compare.py)
 # Benchmarks should come last: the Python build runs in the background until `python` waits.
@@ -151,11 +152,23 @@ for step in $STEPS; do
     timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 --git-rev "$(cat REVISION 2>/dev/null || echo unknown)" \
       --json "$OUT/layer_default.jsonl" >"$OUT/layer_default.txt" 2>&1
     echo "exit $?" >>"$OUT/layer_default.txt"
-    MEGAMOE_SM90_GEMM_OVERLAP=0 timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 \
+    [ "${LAYERBENCH_SERIAL:-1}" = 1 ] && MEGAMOE_SM90_GEMM_OVERLAP=0 timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 \
       --git-rev "$(cat REVISION 2>/dev/null || echo unknown)-serial" --json "$OUT/layer_serial.jsonl" \
       >"$OUT/layer_serial.txt" 2>&1
     echo "exit $?" >>"$OUT/layer_serial.txt"
     tail -2 "$OUT/layer_default.txt" "$OUT/layer_serial.txt" >>"$LOG" ;;
+  ncu)
+    # Where a decode GEMM's time goes (stall reasons, memory throughput): the first L1 and L2
+    # launches of `megamoe bench` at kimi-k3 T = NCU_TOKENS (default 64).
+    say "nsight compute on the decode GEMMs (kimi-k3, T = ${NCU_TOKENS:-64})"
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    timeout 150 "$NCU" -k regex:grouped_gemm --launch-count 2 --section SpeedOfLight \
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats "$CLI" bench --shape kimi-k3 --tokens "${NCU_TOKENS:-64}" \
+      --replays 1 >"$OUT/ncu_decode.txt" 2>&1
+    echo "exit $?" >>"$OUT/ncu_decode.txt"
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Stall|Warp Cycles Per Issued|Issued Warp|Achieved Occupancy|^exit" \
+      "$OUT/ncu_decode.txt" | head -30 >>"$LOG" ;;
   reliability)
     say "reliability (${REL_PART:-all})"
     OUT="$OUT/reliability" timeout 560 bash tests/gpu/run_reliability.sh "$BIN" "${REL_PART:-all}" >"$LOGS/reliability.log" 2>&1
