@@ -140,8 +140,7 @@ struct Mainloop {
       }
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();  // this stage's wgmmas are done: release its buffers
-      __syncwarp();          // every lane's shared-memory reads before lane 0's release
-      if (tid % 32 == 0) ptx::mbar_arrive(&empty_bars[stage]);
+      ptx::mbar_arrive(&empty_bars[stage]);  // every math thread (see run_overlapped)
       if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
     }
   }
@@ -255,14 +254,12 @@ struct Mainloop {
           }
         }
       }
-      // This stage's wgmmas are done: release its buffers. One arrival per warp (the barrier
-      // counts warps), after __syncwarp orders every lane's shared-memory reads of the stage
-      // before it.
-      // NOTES: without it compute-sanitizer racecheck reported WAR hazards between lanes 1-31's
-      // ld.shared of the A stage and the producer's next bulk copy into it (H200, a5576ca): the
-      // lanes run converged, but only __syncwarp makes that ordering part of the memory model.
-      __syncwarp();
-      if (tid % 32 == 0) ptx::mbar_arrive(&empty_bars[stage]);
+      // This stage's wgmmas are done: release its buffers. Every math thread arrives (the
+      // barrier counts all of them), so each thread's own ld.shared of the stage is ordered
+      // before the producer's next bulk copy into it by the barrier alone.
+      // NOTES: with one arrival per warp (lane 0, after __syncwarp) compute-sanitizer racecheck
+      // reported WAR hazards between lanes 1-31's reads and that copy (H200, a5576ca, ae48def).
+      ptx::mbar_arrive(&empty_bars[stage]);
       stage = next_stage;
       phase = next_phase;
     }

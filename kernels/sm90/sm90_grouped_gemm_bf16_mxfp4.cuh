@@ -10,7 +10,7 @@
 //                             (2 KiB), one per scale block (128 B) and one 2D TMA box of B rows;
 //   math warpgroups:          convert + wgmma (sm90_gemm_mainloop.cuh), then the epilogue of
 //                             the GEMM kind (sm90_gemm_epilogue.cuh).
-// Stages are guarded by full (TMA transaction bytes) and empty (one arrive per math warp)
+// Stages are guarded by full (TMA transaction bytes) and empty (one arrive per math thread)
 // mbarriers.
 #pragma once
 
@@ -63,7 +63,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kNumStages; ++s) {
       ptx::mbar_init(&full_bars[s], 1);
-      ptx::mbar_init(&empty_bars[s], 4 * Cfg::kNumMathWG);  // one arrive per math warp
+      ptx::mbar_init(&empty_bars[s], Cfg::kWarpgroupThreads * Cfg::kNumMathWG);  // every math thread
     }
     ptx::mbar_init_fence();
     ptx::prefetch_tensor_map(&tmap_b);
