@@ -24,7 +24,9 @@ status=0
 # "device memory growth" in the soak.
 export CUDA_MODULE_LOADING=EAGER
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$SUMMARY" 2>&1 || true
-echo "git $(git -C "$(dirname "$0")/../.." rev-parse --short HEAD 2>/dev/null || echo '?')" >>"$SUMMARY"
+# The revision: REVISION (an exported tree, e.g. bench/gpu_session.sh's) or git.
+root="$(dirname "$0")/../.."
+echo "revision $(cat "$root/REVISION" 2>/dev/null || git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')" >>"$SUMMARY"
 
 # ---- 1. soak: >= 10,000 sm90 layer calls -----------------------------------------------------
 if [[ "$PART" == all || "$PART" == soak ]]; then
@@ -58,6 +60,11 @@ for tool in memcheck racecheck synccheck; do
     "$BIN" --gtest_filter="${FILTER[$tool]}" >"$OUT/$tool.log" 2>&1
   rc=$?
   errors=$(grep -oE 'ERROR SUMMARY: [0-9]+ error' "$OUT/$tool.log" | tail -1 | grep -oE '[0-9]+' || echo '?')
+  # racecheck ends with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)" instead.
+  if [[ "$errors" == "?" ]]; then
+    errors=$(grep -oE 'RACECHECK SUMMARY: [0-9]+ hazards? displayed \([0-9]+ error' "$OUT/$tool.log" | tail -1 |
+             grep -oE '[0-9]+ error' | grep -oE '[0-9]+' || echo '?')
+  fi
   hazards=$(grep -oE 'RACECHECK SUMMARY: [0-9]+ hazard' "$OUT/$tool.log" | tail -1 || true)
   tests=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$tool.log" | tr '\n' ' ')
   verdict=ok
