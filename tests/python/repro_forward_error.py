@@ -1,10 +1,11 @@
-"""Minimal reproduction of the first C++ error raised inside MoELayer.forward (a shape error on a
-cpu-backend layer, thrown while the GIL is released). On the H200 image it crashed the process
-(tests/python/test_errors.py::test_forward_shape_and_layout_errors_are_value_errors); run it
-under gdb there to get the native backtrace:
+"""Minimal reproduction of the first C++ errors raised by the extension (a shape error inside
+MoELayer.forward on a cpu-backend layer, and one in quantize_input). On the H200 image they
+crashed the process: the extension had been linked with a static libstdc++ there, and formatting
+a number into the error message crashed in std::num_put (fixed in python/CMakeLists.txt by
+linking libstdc++.so.6). Kept as the first thing bench/gpu_session.sh runs in its python step:
 
-    PYTHONPATH=BUILD/python python3 tests/python/repro_forward_error.py [--torch]
-    gdb -batch -ex run -ex bt --args python3 tests/python/repro_forward_error.py [--torch]
+    MEGAMOE_CRASH_TRACE=1 PYTHONPATH=BUILD/python python3 tests/python/repro_forward_error.py [--torch]
+    cuda-gdb -batch -ex run -ex bt --args python3 tests/python/repro_forward_error.py
 
 --torch imports torch first (as pytest's collection of test_gpu.py does). Not a pytest module.
 """
