@@ -1,7 +1,6 @@
 // reliability_util.hpp: helpers of the bad-input tests (tests/cpp/test_reliability*.cpp).
 //
-// - expect_error(fn, code, fragment): fn must throw megamoe::Error with exactly this code and a
-//   message containing `fragment` (the specific error, not "some error").
+// - expect_error(fn, code, fragment): from test_util.hpp.
 // - Guarded<T>: an output buffer with guard regions on both sides. The body is pre-filled with a
 //   poison pattern and the guards with another; after a call, guards_intact() proves nothing was
 //   written out of bounds, body_untouched() proves a rejected call wrote nothing. Inputs are plain
@@ -16,21 +15,9 @@
 #include <vector>
 
 #include "megamoe/error.hpp"
+#include "test_util.hpp"
 
 namespace megamoe::test {
-
-template <typename F>
-void expect_error(F&& fn, ErrorCode code, const std::string& fragment) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected megamoe::Error (" << error_code_name(code) << ") containing '"
-                  << fragment << "', but the call succeeded";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << "message: " << e.what();
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
-        << "expected '" << fragment << "' in: " << e.what();
-  }
-}
 
 // Bytes of each guard region (a cache line on either side, plus odd tails would show as well).
 constexpr int64_t kGuardBytes = 256;

@@ -9,9 +9,12 @@
 
 #include "megamoe/activation.hpp"
 #include "megamoe/error.hpp"
+#include "test_util.hpp"
 
 namespace megamoe {
 namespace {
+
+using test::expect_error;
 
 // |got - want| <= kRelTol * |want| + kAbsTol: a few FP32 ulps of the result.
 constexpr double kRelTol = 4e-7;
@@ -110,14 +113,8 @@ TEST(Activation, SiluIsGOverOnePlusExp) {
 // Names, parse, validate
 // ---------------------------------------------------------------------------------------------
 void expect_invalid(const std::string& spec, const std::string& fragment) {
-  try {
-    (void)Activation::parse(spec);
-    FAIL() << "'" << spec << "' was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
-        << "'" << spec << "': " << e.what();
-  }
+  SCOPED_TRACE("spec '" + spec + "'");
+  expect_error([&] { (void)Activation::parse(spec); }, ErrorCode::kInvalidArgument, fragment);
 }
 
 TEST(Activation, ParseAndPrint) {
@@ -169,12 +166,7 @@ TEST(Activation, ValidateRejectsBadStructs) {
   Activation a = Activation::situ();
   a.has_clamp = true;
   a.clamp = 7.0f;
-  try {
-    a.validate();
-    FAIL() << "situ with a clamp validated";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("situ: a clamp is not allowed"), std::string::npos) << e.what();
-  }
+  expect_error([&] { a.validate(); }, ErrorCode::kInvalidArgument, "situ: a clamp is not allowed");
   EXPECT_THROW(Activation::situ(0.0f, 25.0f), Error);
   EXPECT_THROW(Activation::situ(4.0f, -25.0f), Error);
   EXPECT_THROW(Activation::situ(std::numeric_limits<float>::infinity(), 25.0f), Error);

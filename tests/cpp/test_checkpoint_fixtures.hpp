@@ -18,6 +18,7 @@
 #include "megamoe/buffer.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/weights.hpp"
+#include "test_util.hpp"
 
 namespace megamoe::testing_ckpt {
 
@@ -139,29 +140,6 @@ inline std::vector<uint8_t> raw_safetensors(const std::string& header,
   return out;
 }
 
-// Runs fn, expecting a megamoe::Error of `code` whose message contains every one of `parts`.
-inline ::testing::AssertionResult throws_error(const std::function<void()>& fn, ErrorCode code,
-                                               const std::vector<std::string>& parts) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (e.code() != code) {
-      return ::testing::AssertionFailure() << "error code " << error_code_name(e.code())
-                                           << " instead of " << error_code_name(code) << ": "
-                                           << e.what();
-    }
-    const std::string msg = e.what();
-    for (const auto& p : parts) {
-      if (msg.find(p) == std::string::npos) {
-        return ::testing::AssertionFailure() << "message lacks \"" << p << "\": " << msg;
-      }
-    }
-    return ::testing::AssertionSuccess() << msg;
-  } catch (const std::exception& e) {
-    return ::testing::AssertionFailure() << "non-megamoe exception: " << e.what();
-  }
-  return ::testing::AssertionFailure() << "no exception (expected " << error_code_name(code)
-                                       << ")";
-}
+using megamoe::test::throws_error;  // test_util.hpp
 
 }  // namespace megamoe::testing_ckpt

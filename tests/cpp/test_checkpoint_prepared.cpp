@@ -1,10 +1,7 @@
 // Prepared checkpoints (write_prepared_checkpoint / load_prepared_layer), inspection statistics,
 // and the `megamoe inspect` / `megamoe prepare` commands as a user runs them.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <array>
-#include <cstdio>
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
@@ -20,6 +17,9 @@ using testing_ckpt::random_weights;
 using testing_ckpt::TempDir;
 using testing_ckpt::throws_error;
 using testing_ckpt::weights_equal;
+using test::CliResult;
+using test::cli_path;
+using test::run_cli;
 
 constexpr int64_t kH = 256, kI = 128, kE = 8;
 
@@ -267,28 +267,10 @@ TEST(Inspect, ReportNamesLayersShapesAndFoldVerdict) {
 // ---------------------------------------------------------------------------------------------
 // The commands
 // ---------------------------------------------------------------------------------------------
-struct CliResult {
-  int exit_code = -1;
-  std::string output;
-};
-
-CliResult megamoe_cli(const std::string& args) {
-  CliResult r;
-  const std::string cmd = std::string(MEGAMOE_BINARY_DIR) + "/megamoe " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
-
 class CheckpointCli : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_TRUE(std::filesystem::exists(std::string(MEGAMOE_BINARY_DIR) + "/megamoe"))
+    ASSERT_TRUE(std::filesystem::exists(cli_path()))
         << "build the megamoe_cli target first";
   }
 };
@@ -296,37 +278,37 @@ class CheckpointCli : public ::testing::Test {
 TEST_F(CheckpointCli, InspectAndPrepare) {
   TempDir dir;
   const std::string kimi = write_kimi(dir, 2);
-  CliResult r = megamoe_cli("inspect " + kimi);
+  CliResult r = run_cli("inspect " + kimi);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* part : {"MoE layers: 2", "convention kimi-k3, E = 8, H = 256, I = 128", "row spread",
                            "folded FP8"})
     EXPECT_NE(r.output.find(part), std::string::npos) << part << " in:\n" << r.output;
-  r = megamoe_cli("inspect --json " + kimi);
+  r = run_cli("inspect --json " + kimi);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);
   EXPECT_EQ(j["layers"].size(), 2u);
   EXPECT_EQ(j["layers"][0]["matrices"][2]["scale_stats"]["rows"], kE * kH);
 
   const std::string out = dir.file("rank1.safetensors");
-  r = megamoe_cli("prepare " + kimi + " --backend blackwell-interop --ep-rank 1 --ep-size 4 -o " + out);
+  r = run_cli("prepare " + kimi + " --backend blackwell-interop --ep-rank 1 --ep-size 4 -o " + out);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* part : {"2 layer(s), layout 'blackwell-interop', EP rank 1 of 4", "bytes:", "peak"})
     EXPECT_NE(r.output.find(part), std::string::npos) << part << " in:\n" << r.output;
   const SafetensorsFile f = SafetensorsFile::open(out);
   EXPECT_EQ(load_prepared_layer(f, prefix_of(1)).first_expert, 2);
-  r = megamoe_cli("inspect " + out);
+  r = run_cli("inspect " + out);
   EXPECT_NE(r.output.find("layout 'blackwell-interop'"), std::string::npos) << r.output;
 
-  r = megamoe_cli("prepare " + kimi + " --fused 100 -o " + dir.file("fused.safetensors"));
+  r = run_cli("prepare " + kimi + " --fused 100 -o " + dir.file("fused.safetensors"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("layout 'blackwell-interop'"), std::string::npos) << r.output;
 
-  r = megamoe_cli("prepare " + kimi + " --ep-size 3 -o " + dir.file("x.safetensors"));
+  r = run_cli("prepare " + kimi + " --ep-size 3 -o " + dir.file("x.safetensors"));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("not divisible by EP size 3"), std::string::npos) << r.output;
   const std::string bad = dir.file("bad.safetensors");
   testing_ckpt::write_bytes(bad, {1, 2, 3});
-  r = megamoe_cli("inspect " + bad);
+  r = run_cli("inspect " + bad);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("truncated file"), std::string::npos) << r.output;
 }

@@ -1,45 +1,28 @@
 // The `megamoe` program as a user runs it: the built binary, its output and exit codes.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <array>
-#include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "test_util.hpp"
+
 namespace {
 
-const std::string kBinary = std::string(MEGAMOE_BINARY_DIR) + "/megamoe";
-
-struct Result {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-Result run_cli(const std::string& args) {
-  Result r;
-  const std::string cmd = kBinary + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using megamoe::test::cli_path;
+using megamoe::test::run_cli;
+using megamoe::test::CliResult;
 
 class Cli : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_TRUE(std::filesystem::exists(kBinary))
-        << kBinary << " is missing: build the megamoe_cli target (ninja builds it by default)";
+    ASSERT_TRUE(std::filesystem::exists(cli_path()))
+        << cli_path() << " is missing: build the megamoe_cli target (ninja builds it by default)";
   }
 };
 
 TEST_F(Cli, SyntheticRunPrintsWhatItRanAndPasses) {
-  const Result r = run_cli("run --tokens 64");
+  const CliResult r = run_cli("run --tokens 64");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* fragment :
        {"shape       small: H=1024 I=512 E=32 K=4", "activation  swiglu", "tokens      64, routing uniform, seed 0",
@@ -56,7 +39,7 @@ TEST_F(Cli, SyntheticRunPrintsWhatItRanAndPasses) {
 class ModelCli : public Cli {};
 
 TEST_F(ModelCli, RunWithoutOptionsAnswersProblemsAndPassesTheGate) {
-  const Result r = run_cli("run");
+  const CliResult r = run_cli("run");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* fragment : {"megamoe model:", "Q: ", "A: ", "correct (expected", "accuracy  ",
                                "gate 0.95: PASS"})
@@ -64,7 +47,7 @@ TEST_F(ModelCli, RunWithoutOptionsAnswersProblemsAndPassesTheGate) {
 }
 
 TEST_F(Cli, JsonRunWithOptions) {
-  const Result r = run_cli(
+  const CliResult r = run_cli(
       "run --json --tokens 24 --activation situ:beta=3,linear_beta=20 --exact --routing skewed "
       "--ep-size 2 --ep-rank 1 --seed 5 --backend cpu --iters 1 --warmup 0 --threads 1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -85,7 +68,7 @@ TEST_F(Cli, JsonRunWithOptions) {
 }
 
 TEST_F(Cli, ShapeOverridesAndZeroTokens) {
-  Result r = run_cli("run --shape gpt-oss-120b --hidden 320 --intermediate 320 --experts 16 --tokens 8 --iters 1");
+  CliResult r = run_cli("run --shape gpt-oss-120b --hidden 320 --intermediate 320 --experts 16 --tokens 8 --iters 1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("H=320 I=320 E=16 K=4"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("swiglu_oai:alpha=1.702,clamp=7 (with expert biases)"), std::string::npos) << r.output;
@@ -95,7 +78,7 @@ TEST_F(Cli, ShapeOverridesAndZeroTokens) {
 }
 
 TEST_F(Cli, BadInputIsReportedNotCrashed) {
-  Result r = run_cli("run --activation situ:clamp=7");
+  CliResult r = run_cli("run --activation situ:clamp=7");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("situ takes no clamp"), std::string::npos) << r.output;
   r = run_cli("run --shape huge");
@@ -117,7 +100,7 @@ TEST_F(Cli, BadInputIsReportedNotCrashed) {
 }
 
 TEST_F(Cli, HelpDocumentsEveryOption) {
-  Result r = run_cli("--help");
+  CliResult r = run_cli("--help");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.output.find("run"), std::string::npos) << r.output;
   r = run_cli("run --help");

@@ -9,6 +9,7 @@
 #include "megamoe/layer.hpp"
 #include "megamoe/reference.hpp"
 #include "megamoe/routing.hpp"
+#include "test_util.hpp"
 
 namespace megamoe {
 namespace {
@@ -21,16 +22,7 @@ LayerConfig small_config(int64_t capacity = 64) {
   return cfg;
 }
 
-template <typename F>
-void expect_error(F&& f, ErrorCode code, const std::string& fragment) {
-  try {
-    f();
-    FAIL() << "expected an error containing '" << fragment << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
+using megamoe::test::expect_error;
 
 TEST(Layer, BackendsListCpuLast) {
   const auto names = available_backends();

@@ -16,6 +16,7 @@
 #include "megamoe/error.hpp"
 #include "megamoe/layer.hpp"
 #include "megamoe/model.hpp"
+#include "test_util.hpp"
 
 namespace megamoe::model {
 namespace {
@@ -29,16 +30,7 @@ constexpr double kParityGate = 0.95;   // C++ answers identical to PyTorch's on 
 constexpr int kScaleCorruption = 4;    // UE8M0 bytes shifted by up to +-4: weights x 2^-4..2^4
 constexpr int64_t kCorruptBatch = 50;  // the corrupted run stops once the gate cannot pass
 
-template <typename F>
-void expect_error(F&& f, ErrorCode code, const std::string& fragment) {
-  try {
-    f();
-    FAIL() << "expected an error containing '" << fragment << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
+using megamoe::test::expect_error;
 
 // ---------------------------------------------------------------------------------------------
 // Task plumbing (no checkpoint needed)

@@ -18,9 +18,12 @@
 #include "megamoe/routing.hpp"
 #include "megamoe/weights.hpp"
 #include "reference/reference_internal.hpp"
+#include "test_util.hpp"
 
 namespace megamoe {
 namespace {
+
+using test::expect_error;
 
 constexpr double kIdealDiffBound = 1e-2;  // numerics.md section 8: FP8 x MXFP4 is 1e-3..1e-2
 
@@ -269,14 +272,10 @@ TEST(Reference, RejectsBadExpertIds) {
   for (int32_t bad : {static_cast<int32_t>(E), static_cast<int32_t>(E + 1000), -2, INT32_MIN}) {
     Routing r = make_routing(RoutingKind::kUniform, T, E, K, 1);
     r.topk_idx[3 * K + 1] = bad;
-    try {
+    SCOPED_TRACE(testing::Message() << "expert id " << bad);
+    expect_error([&] {
       reference_forward(s.cfg, s.w, x.data(), r.topk_idx.data(), r.topk_weights.data(), T, y.data());
-      FAIL() << "expert id " << bad << " accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find("topk_idx[3, 1] = " + std::to_string(bad)), std::string::npos) << msg;
-    }
+    }, ErrorCode::kOutOfRange, "topk_idx[3, 1] = " + std::to_string(bad));
     std::vector<double> ideal(static_cast<size_t>(T * H));
     EXPECT_THROW(ideal_forward(s.cfg, s.w, x.data(), r.topk_idx.data(), r.topk_weights.data(), T,
                                ideal.data()),
@@ -290,13 +289,9 @@ TEST(Reference, RejectsTokensAboveCapacityAndMismatchedWeights) {
   const Routing r = make_routing(RoutingKind::kUniform, T, s.cfg.shape.num_experts, s.cfg.shape.top_k, 1);
   const auto x = synthetic_activations(T, H, 1);
   std::vector<uint16_t> y(static_cast<size_t>(T * H));
-  try {
+  expect_error([&] {
     reference_forward(s.cfg, s.w, x.data(), r.topk_idx.data(), r.topk_weights.data(), T, y.data());
-    FAIL() << "T above capacity accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
-    EXPECT_NE(std::string(e.what()).find("max_tokens_per_rank = 32"), std::string::npos) << e.what();
-  }
+  }, ErrorCode::kOutOfRange, "max_tokens_per_rank = 32");
   // At capacity it runs.
   reference_forward(s.cfg, s.w, x.data(), r.topk_idx.data(), r.topk_weights.data(), T - 1, y.data());
 

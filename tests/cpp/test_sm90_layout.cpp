@@ -12,9 +12,12 @@
 #include "megamoe/prepare.hpp"
 #include "megamoe/weights.hpp"
 #include "prep/sm90_layout.hpp"
+#include "test_util.hpp"
 
 namespace megamoe {
 namespace {
+
+using test::expect_error;
 
 std::vector<uint8_t> random_bytes(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -107,14 +110,10 @@ TEST(Sm90Layout, MatchesIndependentFormulaAndInverts) {
 
 TEST(Sm90Layout, RejectsUnalignedDims) {
   std::vector<uint8_t> buf(96 * 64);
-  try {
+  expect_error([&] {
     sm90_prepare_expert(Sm90Matrix::kW2, ExpertDims{96, 64}, buf.data(), buf.data(), buf.data(),
                         buf.data());
-    FAIL() << "H = 96 must be rejected";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
-    EXPECT_NE(std::string(e.what()).find("hidden"), std::string::npos) << e.what();
-  }
+  }, ErrorCode::kUnsupported, "hidden");
 }
 
 TEST(Sm90Layout, RegisteredLayoutRoundTripsWholeLayer) {
