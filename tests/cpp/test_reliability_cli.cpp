@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "test_util.hpp"
+
 namespace {
 
 constexpr int kExitError = 1;
@@ -27,7 +29,7 @@ constexpr int kCli11ValidationError = 105;  // CLI::ValidationError
 constexpr int kCli11ExtrasError = 109;
 constexpr int kCli11ArgumentMismatch = 114;
 
-std::string binary() { return std::string(MEGAMOE_BINARY_DIR) + "/megamoe"; }
+using megamoe::test::cli_path;
 
 std::string slurp(const std::string& path) {
   std::ifstream f(path);
@@ -46,7 +48,7 @@ Result run_cli(const std::string& args) {
   const char* dir = mkdtemp(dir_template);
   EXPECT_NE(dir, nullptr);
   const std::string out = std::string(dir) + "/out", err = std::string(dir) + "/err";
-  const std::string cmd = binary() + " " + args + " >" + out + " 2>" + err;
+  const std::string cmd = cli_path() + " " + args + " >" + out + " 2>" + err;
   const int status = std::system(cmd.c_str());
   Result r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
@@ -67,8 +69,8 @@ struct BadOption {
 class ReliabilityCli : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_EQ(access(binary().c_str(), X_OK), 0)
-        << binary() << " is missing: build the megamoe target (ninja megamoe_cli) before the tests";
+    ASSERT_EQ(access(cli_path().c_str(), X_OK), 0)
+        << cli_path() << " is missing: build the megamoe target (ninja megamoe_cli) before the tests";
   }
 };
 
