@@ -11,6 +11,7 @@
 #include "checkpoint/safetensors_detail.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/formats.hpp"
+#include "runtime/human_bytes.hpp"
 
 namespace megamoe {
 
@@ -155,19 +156,6 @@ InspectLayer inspect_layer(const Checkpoint& ckpt, const MoeLayerInfo& info, boo
   }
   out.matrices = {std::move(gate), std::move(up), std::move(down)};
   return out;
-}
-
-std::string human_bytes(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
-  int u = 0;
-  while (v >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(u == 0 ? 0 : 2) << v << ' ' << units[u];
-  return os.str();
 }
 
 }  // namespace

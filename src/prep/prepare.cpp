@@ -2,13 +2,13 @@
 // expert chunk by expert chunk, through one bounded scratch buffer (prepare.hpp explains the
 // memory bound; tests/cpp/test_prep_memory.cpp measures it).
 #include <algorithm>
-#include <iomanip>
 #include <limits>
 #include <sstream>
 
 #include "megamoe/error.hpp"
 #include "megamoe/formats.hpp"
 #include "megamoe/prepare.hpp"
+#include "runtime/human_bytes.hpp"
 
 namespace megamoe {
 
@@ -40,19 +40,6 @@ void check_dims_basic(const MoeWeights& w) {
                         __builtin_mul_overflow(elements, w.num_local_experts, &total);
   MEGAMOE_CHECK_ARG(!overflow, "weights: E_l = ", w.num_local_experts, ", H = ", w.hidden,
                     ", I = ", w.intermediate, " is too large");
-}
-
-std::string human_bytes(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
-  int u = 0;
-  while (v >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(u == 0 ? 0 : 2) << v << ' ' << units[u];
-  return os.str();
 }
 
 struct Step {
