@@ -9,7 +9,8 @@
 #   memcheck    compute-sanitizer memcheck on the small reliability driver
 #   model       the example model's GPU gate (ModelGpu*)
 #   python      the Python tests (the extension is built there, in the background from the
-#               start, since its Python is not this machine's), with faulthandler on
+#               start, since its Python is not this machine's), with faulthandler on, after the
+#               crash reproduction of issue 6
 #   gemmbench   the grouped-GEMM benchmark of every tile config (Sm90GemmBench.*)
 #   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3, default and opt-in tiles
 #   ncu         Nsight Compute on the decode GEMMs of `megamoe bench` (stall reasons, DRAM use)
@@ -64,6 +65,14 @@ if has python; then
   pybuild_pid=$!
 fi
 
+# gtest_step LOG TIMEOUT FILTER GREP_PATTERN LINES: one run of the GPU test binary; its full
+# output goes to $LOGS/LOG, the lines matching GREP_PATTERN (the last LINES) to the summary.
+gtest_step() {
+  timeout "$2" "$TESTS" --gtest_filter="$3" >"$LOGS/$1" 2>&1
+  echo "exit $?" >>"$LOGS/$1"
+  grep -E "$4" "$LOGS/$1" | tail -n "$5" >>"$LOG"
+}
+
 for step in $STEPS; do
   case $step in
   train)
@@ -77,14 +86,12 @@ for step in $STEPS; do
     done ;;
   tests)
     say "gpu tests"
-    timeout 240 "$TESTS" --gtest_filter="${TESTS_FILTER:-Sm90*:ReliabilitySanitize*:-*Bench*}" >"$LOGS/gpu_tests.log" 2>&1
-    echo "exit $?" >>"$LOGS/gpu_tests.log"
-    grep -E "^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests? ran|^exit|fraction|flip|Failure" "$LOGS/gpu_tests.log" | tail -40 >>"$LOG" ;;
+    gtest_step gpu_tests.log 240 "${TESTS_FILTER:-Sm90*:ReliabilitySanitize*:-*Bench*}" \
+      "^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests? ran|^exit|fraction|flip|Failure" 40 ;;
   serial)
     say "layer tests on the serial GEMM tiles (MEGAMOE_SM90_GEMM_OVERLAP=0)"
-    MEGAMOE_SM90_GEMM_OVERLAP=0 timeout 150 "$TESTS" --gtest_filter='Sm90Layer*' >"$LOGS/layer_serial.log" 2>&1
-    echo "exit $?" >>"$LOGS/layer_serial.log"
-    grep -E "^\[  FAILED|^\[  PASSED|tests? ran|^exit|Failure" "$LOGS/layer_serial.log" | tail -20 >>"$LOG" ;;
+    MEGAMOE_SM90_GEMM_OVERLAP=0 gtest_step layer_serial.log 150 'Sm90Layer*' \
+      "^\[  FAILED|^\[  PASSED|tests? ran|^exit|Failure" 20 ;;
   memcheck)
     say "compute-sanitizer memcheck (small layer driver)"
     timeout 100 compute-sanitizer --tool memcheck --error-exitcode 99 "$TESTS" \
@@ -93,9 +100,7 @@ for step in $STEPS; do
     grep -E "ERROR SUMMARY|PASSED|FAILED|^exit" "$LOGS/memcheck.log" | tail -5 >>"$LOG" ;;
   model)
     say "model GPU gate"
-    timeout 150 "$TESTS" --gtest_filter='ModelGpu*' >"$LOGS/model_gpu.log" 2>&1
-    echo "exit $?" >>"$LOGS/model_gpu.log"
-    grep -E "kimi_mini|OK|FAILED|PASSED|Failure|^exit" "$LOGS/model_gpu.log" | tail -10 >>"$LOG" ;;
+    gtest_step model_gpu.log 150 'ModelGpu*' "kimi_mini|OK|FAILED|PASSED|Failure|^exit" 10 ;;
   python)
     say "python tests"
     wait "$pybuild_pid"; echo "python build exit $?" | tee -a "$LOG"
@@ -104,42 +109,18 @@ for step in $STEPS; do
     g++ --version | head -1 >>"$LOG" 2>&1
     echo "g++ -print-file-name=libstdc++.so: $(g++ -print-file-name=libstdc++.so); LDFLAGS='${LDFLAGS:-}'" >>"$LOG"
     readelf -d /tmp/build-py/python/megamoe/_megamoe*.so 2>&1 | grep NEEDED >>"$LOG"
-    # The first C++ error raised in the extension crashed this image before (issue 6): the
-    # minimal reproduction with the extension built here, then with one built on the development
-    # machine (g++ 12, carried in .carry/py312 when present), without and with torch loaded
-    # first, with native backtraces (MEGAMOE_CRASH_TRACE=1).
-    cp /tmp/build-py/python/megamoe/_megamoe*.so "$OUT/" 2>/dev/null
-    for ext in /tmp/build-py/python "$ROOT/.carry/py312"; do
-      [ -d "$ext" ] || continue
-      for flag in "" --torch; do
-        MEGAMOE_CRASH_TRACE=1 PYTHONPATH=$ext timeout 60 python3 tests/python/repro_forward_error.py $flag >>"$LOG" 2>&1
-        rc=$?; echo "repro_forward_error.py $flag with $ext: exit $rc" >>"$LOG"
-        # gdb is not installed on the GPU machine; cuda-gdb debugs host code as well.
-        dbg=$(command -v gdb || command -v cuda-gdb || echo /usr/local/cuda/bin/cuda-gdb)
-        if [ $rc -ne 0 ] && [ -z "$flag" ] && [ -x "$dbg" ]; then
-          PYTHONPATH=$ext timeout 90 "$dbg" -batch -ex run -ex bt -ex "info registers rip" \
-            --args python3 tests/python/repro_forward_error.py >"$LOGS/gdb_$(basename "$(dirname "$ext")").log" 2>&1
-          grep -E "^#|SIG|rip" "$LOGS/gdb_$(basename "$(dirname "$ext")").log" | head -30 >>"$LOG"
-        fi
-      done
+    # The first C++ error raised in the extension crashed this image once (issue 6: libstdc++
+    # linked statically; the NEEDED line above shows the fix): the minimal reproduction, without
+    # and with torch loaded first, with a native backtrace if it crashes again.
+    for flag in "" --torch; do
+      MEGAMOE_CRASH_TRACE=1 PYTHONPATH=/tmp/build-py/python timeout 60 python3 \
+        tests/python/repro_forward_error.py $flag >>"$LOG" 2>&1
+      echo "repro_forward_error.py $flag: exit $?" >>"$LOG"
     done
     PYTHONPATH=/tmp/build-py/python timeout 200 python3 -X faulthandler -m pytest -q -rs -p no:cacheprovider tests/python \
       >"$LOGS/python.log" 2>&1
     echo "exit $?" >>"$LOGS/python.log"
-    grep -E "passed|failed|SKIPPED|Error|Fatal|^exit" "$LOGS/python.log" | tail -30 >>"$LOG"
-    # The GPU tests alone too (the whole suite stops at a crash).
-    PYTHONPATH=/tmp/build-py/python timeout 120 python3 -X faulthandler -m pytest -q -rs -p no:cacheprovider \
-      tests/python/test_gpu.py >"$LOGS/python_gpu.log" 2>&1
-    echo "exit $?" >>"$LOGS/python_gpu.log"
-    grep -E "passed|failed|SKIPPED|Error|Fatal|^exit|test_gpu.py\", line" "$LOGS/python_gpu.log" | tail -30 >>"$LOG"
-    # The whole suite with the development machine's extension, when this image's crashed.
-    if [ -d "$ROOT/.carry/py312" ] && grep -q "^exit 139" "$LOGS/python.log"; then
-      PYTHONPATH=$ROOT/.carry/py312 timeout 200 python3 -X faulthandler -m pytest -q -rs -p no:cacheprovider tests/python \
-        >"$LOGS/python_py312.log" 2>&1
-      echo "exit $?" >>"$LOGS/python_py312.log"
-      echo "-- pytest with the extension built on the development machine:" >>"$LOG"
-      grep -E "passed|failed|SKIPPED|Error|Fatal|^exit" "$LOGS/python_py312.log" | tail -30 >>"$LOG"
-    fi ;;
+    grep -E "passed|failed|SKIPPED|Error|Fatal|^exit|\.py\", line" "$LOGS/python.log" | tail -30 >>"$LOG" ;;
   gemmbench)
     say "grouped GEMM benchmark (every tile config)"
     timeout "${GEMMBENCH_SECONDS:-200}" "$TESTS" --gtest_also_run_disabled_tests --gtest_filter='Sm90GemmBench.*' \
