@@ -42,18 +42,23 @@ def _rowwise(a, last):
 # ------------------------------------------------------------------------------------------------
 # Quantizers
 # ------------------------------------------------------------------------------------------------
+def _quantize(fn, src, name, codes, sf, values_per_byte):
+    """Row-wise quantizer call: codes uint8 [..., K / values_per_byte], sf uint8 [..., K/32]."""
+    src = _arrays.host_input(src, name)
+    k = _last(src)
+    codes = _arrays.output(codes, src, _rowwise(src, k // values_per_byte), "uint8")
+    sf = _arrays.output(sf, src, _rowwise(src, k // SCALE_BLOCK), "uint8")
+    fn(src, codes, sf)
+    return codes, sf
+
+
 def quantize_input(x, q=None, sf=None):
     """BF16 activations -> FP8 (numerics.md section 2).
 
     x: bf16 [..., H], H a multiple of 32. Returns (q, sf): q uint8 [..., H] E4M3 codes and
     sf uint8 [..., H/32] UE8M0 scales, with amax floored at 1e-4 and b clamped to [1, 254].
     """
-    x = _arrays.host_input(x, "x")
-    h = _last(x)
-    q = _arrays.output(q, x, _rowwise(x, h), "uint8")
-    sf = _arrays.output(sf, x, _rowwise(x, h // SCALE_BLOCK), "uint8")
-    _C.quantize_input(x, q, sf)
-    return q, sf
+    return _quantize(_C.quantize_input, x, "x", q, sf, 1)
 
 
 def requantize(v, q=None, sf=None):
@@ -61,12 +66,7 @@ def requantize(v, q=None, sf=None):
 
     v: float32 [..., I], I a multiple of 32. Returns (q uint8 [..., I], sf uint8 [..., I/32]).
     """
-    v = _arrays.host_input(v, "v")
-    i = _last(v)
-    q = _arrays.output(q, v, _rowwise(v, i), "uint8")
-    sf = _arrays.output(sf, v, _rowwise(v, i // SCALE_BLOCK), "uint8")
-    _C.requantize(v, q, sf)
-    return q, sf
+    return _quantize(_C.requantize, v, "v", q, sf, 1)
 
 
 def quantize_mxfp4(w, packed=None, sf=None):
@@ -76,12 +76,7 @@ def quantize_mxfp4(w, packed=None, sf=None):
     InvalidArgumentError naming row and column). Returns (packed uint8 [..., K/2],
     sf uint8 [..., K/32]).
     """
-    w = _arrays.host_input(w, "w")
-    k = _last(w)
-    packed = _arrays.output(packed, w, _rowwise(w, k // 2), "uint8")
-    sf = _arrays.output(sf, w, _rowwise(w, k // SCALE_BLOCK), "uint8")
-    _C.quantize_mxfp4(w, packed, sf)
-    return packed, sf
+    return _quantize(_C.quantize_mxfp4, w, "w", packed, sf, 2)
 
 
 def dequantize_fp8(q, sf, out=None):
