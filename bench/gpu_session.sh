@@ -13,7 +13,7 @@
 #               crash reproduction of issue 6
 #   gemmbench   the grouped-GEMM benchmark of every tile config (Sm90GemmBench.*)
 #   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3, default and opt-in tiles
-#   ncu         Nsight Compute on the decode GEMMs of `megamoe bench` (stall reasons, DRAM use)
+#   ncu         Nsight Compute on the GEMMs of `megamoe bench` (NCU_RUNS, NCU_FULL)
 #   reliability tests/gpu/run_reliability.sh (REL_PART: all, soak or sanitizers)
 #   peers       the side-by-side comparison with the peers (bench/peers/compare.py)
 # Benchmarks should come last: the Python build runs in the background until `python` waits.
@@ -139,17 +139,32 @@ for step in $STEPS; do
     echo "exit $?" >>"$OUT/layer_serial.txt"
     tail -2 "$OUT/layer_default.txt" "$OUT/layer_serial.txt" >>"$LOG" ;;
   ncu)
-    # Where a decode GEMM's time goes (stall reasons, memory throughput): the first L1 and L2
-    # launches of `megamoe bench` at kimi-k3 T = NCU_TOKENS (default 64).
-    say "nsight compute on the decode GEMMs (kimi-k3, T = ${NCU_TOKENS:-64})"
-    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    timeout 150 "$NCU" -k regex:grouped_gemm --launch-count 2 --section SpeedOfLight \
-      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-      --section Occupancy --section LaunchStats "$CLI" bench --shape kimi-k3 --tokens "${NCU_TOKENS:-64}" \
-      --replays 1 >"$OUT/ncu_decode.txt" 2>&1
-    echo "exit $?" >>"$OUT/ncu_decode.txt"
-    grep -E "Duration|Memory Throughput|DRAM Throughput|Stall|Warp Cycles Per Issued|Issued Warp|Achieved Occupancy|^exit" \
-      "$OUT/ncu_decode.txt" | head -30 >>"$LOG" ;;
+    # Where the GEMMs' time goes: the first NCU_COUNT (default 2: L1 and L2) grouped-GEMM launches
+    # of `megamoe bench --shape S --tokens T` for each S:T in NCU_RUNS (default kimi-k3:64).
+    # NCU_FULL=1: the full section set plus per-instruction (SASS) samples, the report and its
+    # source page (CSV) kept in $OUT.
+    for run in ${NCU_RUNS:-kimi-k3:64}; do
+      shape=${run%%:*} nt=${run##*:} tag="${run%%:*}_t${run##*:}"
+      say "nsight compute on the GEMMs ($tag)"
+      NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      if [ "${NCU_FULL:-0}" = 1 ]; then
+        timeout 200 "$NCU" -k regex:grouped_gemm --launch-count "${NCU_COUNT:-2}" --set full \
+          --import-source no -f -o "/tmp/ncu_$tag" "$CLI" bench --shape "$shape" \
+          --tokens "$nt" --replays 1 >"$LOGS/ncu_$tag.log" 2>&1
+        echo "exit $?" >>"$LOGS/ncu_$tag.log"
+        "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --print-details all >"$OUT/ncu_$tag.txt" 2>&1
+        "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --page source --print-source sass --csv \
+          >"$OUT/ncu_${tag}_sass.csv" 2>&1
+      else
+        timeout 150 "$NCU" -k regex:grouped_gemm --launch-count "${NCU_COUNT:-2}" --section SpeedOfLight \
+          --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+          --section Occupancy --section LaunchStats "$CLI" bench --shape "$shape" \
+          --tokens "$nt" --replays 1 >"$OUT/ncu_$tag.txt" 2>&1
+        echo "exit $?" >>"$OUT/ncu_$tag.txt"
+      fi
+      grep -E "grouped_gemm|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Warp Cycles Per Issued|Issued Warp|Executed Ipc A|^exit" \
+        "$OUT/ncu_$tag.txt" | head -30 >>"$LOG"
+    done ;;
   reliability)
     say "reliability (${REL_PART:-all})"
     OUT="$OUT/reliability" timeout 560 bash tests/gpu/run_reliability.sh "$BIN" "${REL_PART:-all}" >"$LOGS/reliability.log" 2>&1
