@@ -51,10 +51,18 @@ struct GemmParams {
 // kStagedEpilogue (L1 only): the accumulators of one 64-row block go through shared memory and
 // a rolled loop does the activation and requantization with 8/16-byte stores (sm90_gemm_epilogue
 // .cuh, epilogue_l1_staged); opt-in until measured.
+// kKBlocksPerStage: 64-deep k-blocks per pipeline stage (overlapped mainloop only). A stage of
+// S k-blocks takes one bulk copy of S x 2 KiB per weight block (an m-block's consecutive k-blocks
+// are contiguous in the sm90 layout), one of S x 128 B per scale block and S boxes of B rows, and
+// one full/empty barrier round trip, where S stages of one k-block take S of each: fewer
+// producer instructions and barrier operations per weight byte. K must be a multiple of S x 64
+// (the launcher falls back to the one-k-block twin otherwise).
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
-          int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false>
+          int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
+          int kKBlocksPerStage_ = 1>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
+  static constexpr int kKBlocksPerStage = kKBlocksPerStage_;
   static constexpr bool kStagedEpilogue = kStagedEpilogue_;
   static constexpr int kNumMathWG = kNumMathWG_;
   static constexpr int kMBlocksPerWG = kMBlocksPerWG_;
@@ -75,12 +83,20 @@ struct GemmConfig {
   static constexpr int kProducerThreads = kUseSetMaxNReg ? kWarpgroupThreads : 32;
   static constexpr int kThreads = kWarpgroupThreads * kNumMathWG + kProducerThreads;
   static constexpr int kProducerRegs = 40;
-  static constexpr int kMathRegs = 232;
+  // The math warpgroups share what the producer leaves of the 64K-register file (multiple of 8,
+  // at most 232): 232 with two, 152 with three.
+  static constexpr int kMathRegs =
+      (65536 - kProducerThreads * kProducerRegs) / (kWarpgroupThreads * kNumMathWG) / 8 * 8 > 232
+          ? 232
+          : (65536 - kProducerThreads * kProducerRegs) / (kWarpgroupThreads * kNumMathWG) / 8 * 8;
 
-  // Shared memory per stage.
-  static constexpr int kSmemBBytes = kBlockN * kBlockK * 2;                 // bf16, 128B-swizzled
-  static constexpr int kSmemABytes = kMBlocksPerCta * sm90_layout::kBlockBytes;
-  static constexpr int kSmemSfBytes = kMBlocksPerCta * sm90_layout::kSfBlockBytes;
+  // Shared memory per stage: B as kKBlocksPerStage boxes of [BLOCK_N rows][64 bf16] (128B-swizzled,
+  // kSmemBBoxBytes each); A and SF per weight block m, k-block j of the stage at
+  // (m * kKBlocksPerStage + j) x the block size (the order of the global layout).
+  static constexpr int kSmemBBoxBytes = kBlockN * kBlockK * 2;
+  static constexpr int kSmemBBytes = kSmemBBoxBytes * kKBlocksPerStage;
+  static constexpr int kSmemABytes = kMBlocksPerCta * sm90_layout::kBlockBytes * kKBlocksPerStage;
+  static constexpr int kSmemSfBytes = kMBlocksPerCta * sm90_layout::kSfBlockBytes * kKBlocksPerStage;
 
   // Layout (offsets from a 1024-byte aligned base): B stages, A stages, SF stages, full/empty
   // barriers, epilogue amax exchange, schedule (row offsets + tile prefix, E_l + 1 each).
@@ -113,6 +129,8 @@ struct GemmConfig {
   static_assert(kOffA % 1024 == 0 && kOffSf % 16 == 0 && kOffBars % 8 == 0,
                 "bulk copy destinations 16-aligned, barriers 8-aligned");
   static_assert(kNumMathWG * 4 <= 15, "named barriers 1..kNumMathWG");
+  static_assert(kKBlocksPerStage >= 1 && (kKBlocksPerStage == 1 || kOverlapConvert),
+                "several k-blocks per stage: overlapped mainloop only");
 };
 
 // The configurations that ship (one table; see the launcher for when each is used):
@@ -167,5 +185,22 @@ using Decode16X2OverlapConfig = GemmConfig<1, 2, 16, 8, 7, 4, true>;
 //            per SM, 10 stages; best only at Kimi-K3 T = 1 L1 (111 against 120 us).
 using Decode16X4OverlapConfig = GemmConfig<1, 4, 16, 8, 4, 4, true>;
 using Decode16X2Overlap3Config = GemmConfig<1, 2, 16, 8, 10, 3, true>;
+//   Decode16X2K2 / Decode16X4K2: the two- and four-chain decode tiles with two k-blocks per stage
+//            (3 and 2 stages: the same weight bytes in flight as 7 and 4 one-k-block stages,
+//            within the shared memory of 4 CTAs at E_l = 896).
+//            NOTES: why: Nsight Compute on Decode16X2Overlap (Kimi-K3 T = 1, revision bd2184b,
+//            bench/results/ncu_*_bd2184b): per k-block a math warp executes 278 instructions, of
+//            which ~160 convert and scale; the single-thread producer executes 142 per stage
+//            (each bulk copy ~20: the copy operands are made warp-uniform in a loop), all on one
+//            scheduler; stalls: fixed-latency waits 22 %, issue (selected + not selected) 36 %.
+using Decode16X2K2Config = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2>;
+//   PrefillTriStaged (candidate): three math warpgroups of one 64-row block each (BLOCK_M 192) x
+//            up to 128 token rows, staged L1 epilogue, 7 stages, 152 registers per math thread.
+//            NOTES: why: Nsight Compute on PrefillStaged L1 (DeepSeek-V3 T = 8192, bd2184b):
+//            tensor pipe active 44 %, issue 38 %, the two math warps per scheduler mostly wait on
+//            fixed-latency dependencies (23 % of samples) and shared-memory loads (13 %): a third
+//            math warp per scheduler hides more of that latency.
+using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
+using PrefillTriStagedConfig = GemmConfig<3, 1, 128, 16, 7, 1, true, true>;
 
 }  // namespace megamoe::sm90

@@ -1,12 +1,13 @@
 // sm90_gemm_mainloop.cuh: the math warpgroup's mainloop of the grouped BF16 x MXFP4 GEMM.
 //
-// Per pipeline stage (64 of K): each thread loads its 16 bytes of packed E2M1 per 64-row weight
-// block and one word of scales from shared memory, converts them to BF16 A fragments in registers
-// (exact: E2M1 x 2^(s-127)), and issues 4 wgmma m64nNk16 per weight block with B (token rows)
-// read from the TMA-written, 128B-swizzled stage.
-// Two mainloops (Cfg::kOverlapConvert): the serial one (default, validated on an H200: per stage
-// wait, convert, wgmma, wait_group 0) and the overlapped one (opt-in until measured: the next
-// block's conversion runs while the current block's wgmmas are in flight, see run_overlapped).
+// Per 64-deep k-block (one per pipeline stage, or Cfg::kKBlocksPerStage of them): each thread
+// loads its 16 bytes of packed E2M1 per 64-row weight block and one word of scales from shared
+// memory, converts them to BF16 A fragments in registers (exact: E2M1 x 2^(s-127)), and issues
+// 4 wgmma m64nNk16 per weight block with B (token rows) read from the TMA-written, 128B-swizzled
+// stage.
+// Two mainloops (Cfg::kOverlapConvert): the serial one (per stage wait, convert, wgmma,
+// wait_group 0) and the overlapped one (kAuto's: the next block's conversion runs while the
+// current block's wgmmas are in flight, see run_overlapped).
 // NOTES: the serial chain is latency-bound (decode streamed 1.1-1.7 TB/s; a prefill stage took
 // ~3x its tensor time). Double-buffering with wait_group 1 across stages was tried: ptxas could
 // not prove the in-flight registers untouched and serialized every wgmma (C7513).
@@ -148,15 +149,25 @@ struct Mainloop {
   // ---- overlapped mainloop (opt-in configs, kOverlapConvert): conversion of the next block
   // during the current block's wgmmas, one multiply per conversion when the scales allow.
 
-  // Converts this thread's A fragments of weight block `lm` (CTA-local) of one stage.
-  __device__ __forceinline__ static void load_convert_block(const uint8_t* smem_a_stage,
-                                                      const uint8_t* smem_sf_stage, int lm,
-                                                      int tid, BlockFrags& frags) {
+  // Shared-memory weight / scale block of CTA-local weight block `lm`, k-block `j` of a stage.
+  __device__ __forceinline__ static const uint8_t* a_block(const uint8_t* smem_a, int stage, int lm,
+                                                           int j) {
+    return smem_a + stage * Cfg::kSmemABytes +
+           (lm * Cfg::kKBlocksPerStage + j) * sm90_layout::kBlockBytes;
+  }
+  __device__ __forceinline__ static const uint8_t* sf_block(const uint8_t* smem_sf, int stage,
+                                                            int lm, int j) {
+    return smem_sf + stage * Cfg::kSmemSfBytes +
+           (lm * Cfg::kKBlocksPerStage + j) * sm90_layout::kSfBlockBytes;
+  }
+
+  // Converts this thread's A fragments of one 64-row x 64-deep weight block in shared memory.
+  __device__ __forceinline__ static void load_convert_block(const uint8_t* a_blk,
+                                                            const uint8_t* sf_blk, int tid,
+                                                            BlockFrags& frags) {
     const int warp = tid / 32, g = (tid % 32) / 4;
-    const uint4 wv = ptx::ld_shared_v4(smem_a_stage + lm * sm90_layout::kBlockBytes +
-                                       tid * sm90_layout::kThreadBytes);
-    const uint32_t sfw = ptx::ld_shared_u32(smem_sf_stage + lm * sm90_layout::kSfBlockBytes +
-                                            (warp * 8 + g) * 4);
+    const uint4 wv = ptx::ld_shared_v4(a_blk + tid * sm90_layout::kThreadBytes);
+    const uint32_t sfw = ptx::ld_shared_u32(sf_blk + (warp * 8 + g) * 4);
     // E2M1 x 2^-126 as BF16x2 per A register (sign and magnitude bits moved into place).
     uint32_t bits[kSteps][4];
     const uint32_t words[kSteps] = {wv.x, wv.y, wv.z, wv.w};
@@ -195,15 +206,18 @@ struct Mainloop {
     }
   }
 
-  // Software pipeline over units (k block kb, weight block sub), in that order: the wgmmas of
-  // unit u are issued, then the A fragments of unit u + 1 are converted (waiting for the next
-  // stage's copies first when u + 1 starts a new k block) while they run, then wait_group 0.
-  // The converted fragments alternate between two register sets; with an even number of weight
-  // blocks per warpgroup the set of every unit is a compile-time constant, with one block per
-  // warpgroup (decode) the next set is copied into the current one after the wait.
+  // Software pipeline over units (stage, k-block j of the stage, weight block sub), in that
+  // order: the wgmmas of unit u are issued, then the A fragments of unit u + 1 are converted
+  // (waiting for the next stage's copies first when u + 1 starts a new stage) while they run,
+  // then wait_group 0. The converted fragments alternate between two register sets; with an even
+  // number of weight blocks per warpgroup the set of every unit is a compile-time constant, with
+  // one block per warpgroup (decode) the next set is copied into the current one after the wait.
   // NOTES: wait_group 0 per unit (not 1 across units) keeps no wgmma in flight over the k-loop
   // back edge and no in-flight register written: ptxas then keeps the wgmmas asynchronous
-  // (a version with wait_group 1 across stages serialized them, C7513).
+  // (a version with wait_group 1 across stages serialized them, C7513). The k-blocks of a stage
+  // are an unrolled loop of compile-time length (a wgmma under a data-dependent branch
+  // serializes them all, C7520), so K must be a multiple of the stage depth (the launcher's
+  // check).
   template <int kN>
   __device__ __forceinline__ static void run_overlapped(
       float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
@@ -211,46 +225,58 @@ struct Mainloop {
       int tid, int& stage, uint32_t& phase) {
     static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "wgmma N");
     constexpr bool kStaticSets = kMBlocksPerWG % 2 == 0;
+    constexpr int kKSub = Cfg::kKBlocksPerStage;
     const int lm0 = wg * kMBlocksPerWG;
+    const int num_k_stages = num_k_blocks / kKSub;
     BlockFrags frags[2];
     ptx::mbar_wait(&full_bars[stage], phase);
-    load_convert_block(smem_a + stage * Cfg::kSmemABytes, smem_sf + stage * Cfg::kSmemSfBytes,
-                       lm0, tid, frags[0]);
-    for (int kb = 0; kb < num_k_blocks; ++kb) {
-      // k16 step s starts 32 bytes further into each 128-byte swizzled row (desc units of 16 B).
-      // Descriptors and the scale-d flag are computed before the fence, outside the wgmma window.
-      const uint64_t desc0 = ptx::smem_desc_k128b(smem_b + stage * Cfg::kSmemBBytes);
-      uint64_t desc[kSteps];
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s) desc[s] = desc0 + static_cast<uint64_t>(s * sm90_layout::kStepK * 2 / 16);
-      const uint32_t scale_d0 = kb != 0 ? 1u : 0u;
-      const bool has_next_kb = kb + 1 < num_k_blocks;
+    load_convert_block(a_block(smem_a, stage, lm0, 0), sf_block(smem_sf, stage, lm0, 0), tid,
+                       frags[0]);
+    for (int ks = 0; ks < num_k_stages; ++ks) {
+      // k16 step s of k-block j starts 32 bytes further into each 128-byte swizzled row of box j
+      // (descriptor units of 16 B). Descriptors and the scale-d flag are computed before the
+      // fence, outside the wgmma window.
+      const uint64_t desc_stage = ptx::smem_desc_k128b(smem_b + stage * Cfg::kSmemBBytes);
+      const bool has_next_stage = ks + 1 < num_k_stages;
       const int next_stage = stage + 1 == Cfg::kNumStages ? 0 : stage + 1;
       const uint32_t next_phase = stage + 1 == Cfg::kNumStages ? phase ^ 1u : phase;
 #pragma unroll
-      for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
-        const int cur = kStaticSets ? (sub & 1) : 0;
-        const int nxt = kStaticSets ? ((sub + 1) & 1) : 1;
-        ptx::wgmma_fence();
+      for (int j = 0; j < kKSub; ++j) {
+        uint64_t desc[kSteps];
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
-          ptx::WgmmaBf16RS<kN>::mma(acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
+          desc[s] = desc_stage + static_cast<uint64_t>((j * Cfg::kSmemBBoxBytes +
+                                                         s * sm90_layout::kStepK * 2) / 16);
         }
-        ptx::wgmma_commit();
-        if (sub + 1 < kMBlocksPerWG) {
-          load_convert_block(smem_a + stage * Cfg::kSmemABytes,
-                             smem_sf + stage * Cfg::kSmemSfBytes, lm0 + sub + 1, tid, frags[nxt]);
-        } else if (has_next_kb) {  // uniform over the warpgroup
-          ptx::mbar_wait(&full_bars[next_stage], next_phase);
-          load_convert_block(smem_a + next_stage * Cfg::kSmemABytes,
-                             smem_sf + next_stage * Cfg::kSmemSfBytes, lm0, tid, frags[nxt]);
-        }
-        ptx::wgmma_wait<0>();
-        if constexpr (!kStaticSets) {
+        const uint32_t scale_d0 = ks != 0 || j != 0 ? 1u : 0u;
+#pragma unroll
+        for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
+          const int cur = kStaticSets ? (sub & 1) : 0;
+          const int nxt = kStaticSets ? ((sub + 1) & 1) : 1;
+          ptx::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < kSteps; ++s) {
+            ptx::WgmmaBf16RS<kN>::mma(acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
+          }
+          ptx::wgmma_commit();
+          if (sub + 1 < kMBlocksPerWG) {
+            load_convert_block(a_block(smem_a, stage, lm0 + sub + 1, j),
+                               sf_block(smem_sf, stage, lm0 + sub + 1, j), tid, frags[nxt]);
+          } else if (j + 1 < kKSub) {
+            load_convert_block(a_block(smem_a, stage, lm0, j + 1),
+                               sf_block(smem_sf, stage, lm0, j + 1), tid, frags[nxt]);
+          } else if (has_next_stage) {  // uniform over the warpgroup
+            ptx::mbar_wait(&full_bars[next_stage], next_phase);
+            load_convert_block(a_block(smem_a, next_stage, lm0, 0),
+                               sf_block(smem_sf, next_stage, lm0, 0), tid, frags[nxt]);
+          }
+          ptx::wgmma_wait<0>();
+          if constexpr (!kStaticSets) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) frags[0][s][r] = frags[1][s][r];
+            for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) frags[0][s][r] = frags[1][s][r];
+            }
           }
         }
       }

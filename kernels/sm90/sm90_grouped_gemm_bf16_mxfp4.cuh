@@ -6,8 +6,9 @@
 // Swap A/B: the weights are wgmma's A (M side, converted to BF16 in registers), the routed token
 // rows are B (N side, shared memory via TMA). One persistent CTA per SM slot walks the tiles
 // (expert, m-tile, n-tile) of the device-built schedule. Warp roles (one kernel, branches):
-//   producer warpgroup (last): thread 0 issues, per stage, one 1D bulk copy per 64-row weight block
-//                             (2 KiB), one per scale block (128 B) and one 2D TMA box of B rows;
+//   producer warpgroup (last): thread 0 issues, per stage of S k-blocks (Cfg::kKBlocksPerStage),
+//                             one 1D bulk copy per 64-row weight block (S x 2 KiB), one per scale
+//                             block (S x 128 B) and S 2D TMA boxes of B rows;
 //   math warpgroups:          convert + wgmma (sm90_gemm_mainloop.cuh), then the epilogue of
 //                             the GEMM kind (sm90_gemm_epilogue.cuh).
 // Stages are guarded by full (TMA transaction bytes) and empty (one arrive per math thread)
@@ -82,27 +83,34 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     const uint64_t policy = ptx::policy_evict_first();
     int stage = 0;
     uint32_t phase = 0;
+    constexpr int kKSub = Cfg::kKBlocksPerStage;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const TileInfo tile = sched.get(t);
       const uint32_t stage_bytes =
-          tile.num_m_blocks * (sm90_layout::kBlockBytes + sm90_layout::kSfBlockBytes) +
+          tile.num_m_blocks * (sm90_layout::kBlockBytes + sm90_layout::kSfBlockBytes) * kKSub +
           Cfg::kSmemBBytes;
       const int64_t block_base =
           (static_cast<int64_t>(tile.expert) * total_m_blocks + tile.m_block0) * num_k_blocks;
-      for (int kb = 0; kb < num_k_blocks; ++kb) {
+      for (int kb = 0; kb < num_k_blocks; kb += kKSub) {
         ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
         ptx::mbar_arrive_expect_tx(&full_bars[stage], stage_bytes);
+        // Weight block m's kKSub k-blocks (and their scales) are contiguous in the sm90 layout.
         for (int m = 0; m < tile.num_m_blocks; ++m) {
           const int64_t block = block_base + static_cast<int64_t>(m) * num_k_blocks + kb;
-          ptx::bulk_copy_g2s(smem_a + stage * Cfg::kSmemABytes + m * sm90_layout::kBlockBytes,
-                             p.w + block * sm90_layout::kBlockBytes, sm90_layout::kBlockBytes,
-                             &full_bars[stage], policy);
-          ptx::bulk_copy_g2s(smem_sf + stage * Cfg::kSmemSfBytes + m * sm90_layout::kSfBlockBytes,
-                             p.sf + block * sm90_layout::kSfBlockBytes,
-                             sm90_layout::kSfBlockBytes, &full_bars[stage], policy);
+          ptx::bulk_copy_g2s(
+              smem_a + stage * Cfg::kSmemABytes + m * kKSub * sm90_layout::kBlockBytes,
+              p.w + block * sm90_layout::kBlockBytes, kKSub * sm90_layout::kBlockBytes,
+              &full_bars[stage], policy);
+          ptx::bulk_copy_g2s(
+              smem_sf + stage * Cfg::kSmemSfBytes + m * kKSub * sm90_layout::kSfBlockBytes,
+              p.sf + block * sm90_layout::kSfBlockBytes, kKSub * sm90_layout::kSfBlockBytes,
+              &full_bars[stage], policy);
         }
-        ptx::tma_load_2d(smem_b + stage * Cfg::kSmemBBytes, &tmap_b, kb * Cfg::kBlockK, tile.row0,
-                         &full_bars[stage]);
+#pragma unroll
+        for (int j = 0; j < kKSub; ++j) {
+          ptx::tma_load_2d(smem_b + stage * Cfg::kSmemBBytes + j * Cfg::kSmemBBoxBytes, &tmap_b,
+                           (kb + j) * Cfg::kBlockK, tile.row0, &full_bars[stage]);
+        }
         if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
       }
     }

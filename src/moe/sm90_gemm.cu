@@ -96,6 +96,19 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
+// A config with several k-blocks per stage when K is a multiple of its stage depth, else its
+// one-k-block twin (same tile, same function).
+template <class Cfg, class Twin, GemmKind kKind>
+void launch_k_staged(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
+  static_assert(Twin::kKBlocksPerStage == 1 && Twin::kBlockM == Cfg::kBlockM &&
+                    Twin::kBlockN == Cfg::kBlockN, "the twin is the same tile");
+  if ((p.k / sm90_layout::kBlockK) % Cfg::kKBlocksPerStage == 0) {
+    launch_config<Cfg, kKind>(p, b_rows, stream);
+  } else {
+    launch_config<Twin, kKind>(p, b_rows, stream);
+  }
+}
+
 // kAuto picks among the overlapped-mainloop configs unless MEGAMOE_SM90_GEMM_OVERLAP=0.
 bool overlap_by_default() {
   static const bool on = [] {
@@ -169,6 +182,15 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
       return;
     case GemmTile::kDecode16X2Overlap3:
       launch_config<Decode16X2Overlap3Config, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kDecode16X2K2:
+      launch_k_staged<Decode16X2K2Config, Decode16X2OverlapConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kDecode16X4K2:
+      launch_k_staged<Decode16X4K2Config, Decode16X4OverlapConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillTriStaged:
+      launch_config<PrefillTriStagedConfig, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:

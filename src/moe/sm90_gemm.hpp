@@ -64,6 +64,10 @@ enum class GemmTile : int {
   kAutoSerial = 14,          // kAuto's choice among the serial configs (1, 2, 3)
   kDecode16X4Overlap = 15,   // 256 weight rows (four chains) x 16, overlapped, 4 CTAs per SM
   kDecode16X2Overlap3 = 16,  // kDecode16X2Overlap with 3 CTAs per SM and 10 stages
+  kDecode16X2K2 = 17,        // kDecode16X2Overlap with two k-blocks per pipeline stage
+  kDecode16X4K2 = 18,        // kDecode16X4Overlap with two k-blocks per pipeline stage
+  kPrefillTriStaged = 19,    // 192 weight rows (three math warpgroups) x up to 128, staged L1
+  // (17, 18: when K is not a multiple of 128 they run as their one-k-block twins, 13 and 15)
 };
 
 struct L1Args {

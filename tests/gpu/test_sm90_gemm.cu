@@ -384,7 +384,10 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kPrefillWideStaged,
     sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16, sm90::GemmTile::kPrefill};
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
-                                          sm90::GemmTile::kDecode16X2Overlap3};
+                                          sm90::GemmTile::kDecode16X2Overlap3,
+                                          sm90::GemmTile::kDecode16X2K2,
+                                          sm90::GemmTile::kDecode16X4K2,
+                                          sm90::GemmTile::kPrefillTriStaged};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -437,6 +440,19 @@ TEST(Sm90GemmOptIn, EveryTileConfig) {
 TEST(Sm90GemmOptIn, ScalesAboveAndBelow128) {
   SKIP_WITHOUT_SM90();
   for (const sm90::GemmTile tile : kOptInTiles) wide_scale_case(tile);
+}
+
+// More tiles than CTA slots (132 SMs x 4): every CTA runs several tiles, so the pipeline's stage
+// and phase carry over tile boundaries (L1 of the 256-row tile: 8 m-tiles x 96 experts).
+TEST(Sm90GemmOptIn, SeveralTilesPerCta) {
+  SKIP_WITHOUT_SM90();
+  std::vector<int> counts(96);
+  for (int e = 0; e < 96; ++e) counts[e] = (e * 7) % 5;  // 0..4 rows, some experts empty
+  const Problem p = make_problem(1024, 1024, counts, false, 12);
+  for (const sm90::GemmTile tile : kOptInTiles) {
+    run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, false, tile);
+    run_l2_case(p, p.rows, false, tile);
+  }
 }
 
 // kAutoSerial as the layer gets it with MEGAMOE_SM90_GEMM_OVERLAP=0 (decode and prefill picks on
@@ -555,12 +571,15 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X2Overlap);
         variants.push_back(sm90::GemmTile::kDecode16X4Overlap);
         variants.push_back(sm90::GemmTile::kDecode16X2Overlap3);
+        variants.push_back(sm90::GemmTile::kDecode16X2K2);
+        variants.push_back(sm90::GemmTile::kDecode16X4K2);
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
         variants.push_back(sm90::GemmTile::kPrefillWideOverlap);
         variants.push_back(sm90::GemmTile::kPrefillStaged);
         variants.push_back(sm90::GemmTile::kPrefillWideStaged);
+        variants.push_back(sm90::GemmTile::kPrefillTriStaged);
       }
       for (const sm90::GemmTile tile : variants)
       for (int which = 0; which < 2; ++which) {
