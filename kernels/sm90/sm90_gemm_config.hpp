@@ -83,12 +83,7 @@ struct GemmConfig {
   static constexpr int kProducerThreads = kUseSetMaxNReg ? kWarpgroupThreads : 32;
   static constexpr int kThreads = kWarpgroupThreads * kNumMathWG + kProducerThreads;
   static constexpr int kProducerRegs = 40;
-  // The math warpgroups share what the producer leaves of the 64K-register file (multiple of 8,
-  // at most 232): 232 with two, 152 with three.
-  static constexpr int kMathRegs =
-      (65536 - kProducerThreads * kProducerRegs) / (kWarpgroupThreads * kNumMathWG) / 8 * 8 > 232
-          ? 232
-          : (65536 - kProducerThreads * kProducerRegs) / (kWarpgroupThreads * kNumMathWG) / 8 * 8;
+  static constexpr int kMathRegs = 232;
 
   // Shared memory per stage: B as kKBlocksPerStage boxes of [BLOCK_N rows][64 bf16] (128B-swizzled,
   // kSmemBBoxBytes each); A and SF per weight block m, k-block j of the stage at
@@ -194,13 +189,6 @@ using Decode16X2Overlap3Config = GemmConfig<1, 2, 16, 8, 10, 3, true>;
 //            (each bulk copy ~20: the copy operands are made warp-uniform in a loop), all on one
 //            scheduler; stalls: fixed-latency waits 22 %, issue (selected + not selected) 36 %.
 using Decode16X2K2Config = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2>;
-//   PrefillTriStaged (candidate): three math warpgroups of one 64-row block each (BLOCK_M 192) x
-//            up to 128 token rows, staged L1 epilogue, 7 stages, 152 registers per math thread.
-//            NOTES: why: Nsight Compute on PrefillStaged L1 (DeepSeek-V3 T = 8192, bd2184b):
-//            tensor pipe active 44 %, issue 38 %, the two math warps per scheduler mostly wait on
-//            fixed-latency dependencies (23 % of samples) and shared-memory loads (13 %): a third
-//            math warp per scheduler hides more of that latency.
 using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
-using PrefillTriStagedConfig = GemmConfig<3, 1, 128, 16, 7, 1, true, true>;
 
 }  // namespace megamoe::sm90

@@ -31,12 +31,13 @@ constexpr int64_t kDecodeOverlapMaxAvgRows = 12;
 // the 64-row tile from T = 8 up, and at T = 1 whenever it had enough tiles (Kimi-K3 L1: 512
 // tiles, 117 against 123 us; DeepSeek-V3 L2: 448 tiles, 45 against 52 us), but lost with half
 // the slots empty (DeepSeek-V3 L1 at T = 1: 256 tiles, 105 against 82 us).
-// The 256-row tile (Decode16X4Overlap, four chains) likewise at <= 4 average rows: 1.05-1.08x
-// over the 128-row tile at T = 8 and 64 (H200, a5576ca), slower at T = 1 with too few tiles.
-constexpr int64_t kDecodeX2Rows = Decode16X2OverlapConfig::kBlockM;
-constexpr int64_t kDecodeX4Rows = Decode16X4OverlapConfig::kBlockM;
-constexpr int64_t kDecodeCtasPerSm = Decode16X2OverlapConfig::kMinBlocksPerSM;
-static_assert(Decode16X4OverlapConfig::kMinBlocksPerSM == kDecodeCtasPerSm, "same grid per SM");
+// It runs with two k-blocks per pipeline stage (Decode16X2K2; its one-k-block twin when K is not
+// a multiple of 128): 1.07-1.18x faster than Decode16X2Overlap at every decode point of both
+// shapes, and faster than the 256-row tiles with one or two k-blocks per stage (Decode16X4Overlap,
+// kAuto's former pick at <= 4 average rows, and Decode16X4K2) except within 1 % at Kimi-K3 T = 64
+// L2 (H200, revision fe21102, docs/perf.md).
+constexpr int64_t kDecodeX2Rows = Decode16X2K2Config::kBlockM;
+constexpr int64_t kDecodeCtasPerSm = Decode16X2K2Config::kMinBlocksPerSM;
 constexpr int64_t kDecodeFillNum = 3, kDecodeFillDen = 4;
 // At or below 4 average rows, 8-row tiles (half the B bytes per stage; most experts get 1-3 rows).
 constexpr int64_t kDecode8MaxAvgRows = 4;
@@ -127,18 +128,13 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     const int64_t rows = rows_bound > 0 ? std::min<int64_t>(rows_bound, p.max_rows) : p.max_rows;
     const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
     const int64_t avg = rows / active;
-    // Decode with the overlapped configs: the widest weight tile (most accumulator chains per
-    // stage) whose tiles still fill enough of the persistent grid; four chains only at <= 4
-    // average rows (at Kimi-K3 T = 512, 9 rows, four chains lost to two on L1).
+    // Decode with the overlapped configs: the 128-row weight tile (two accumulator chains, two
+    // k-blocks per stage) when its tiles fill enough of the persistent grid, else the 64-row one.
     const int64_t slots = int64_t{cuda::device_info().sm_count} * kDecodeCtasPerSm;
-    auto fills = [&](int64_t tile_rows) {
-      const int64_t tiles = active * ((p.m_rows + tile_rows - 1) / tile_rows);
-      return tiles * kDecodeFillDen >= slots * kDecodeFillNum;
-    };
-    const GemmTile decode_overlap =
-        avg <= kDecode8MaxAvgRows && fills(kDecodeX4Rows) ? GemmTile::kDecode16X4Overlap
-        : fills(kDecodeX2Rows)                            ? GemmTile::kDecode16X2Overlap
-                                                          : GemmTile::kDecode16Overlap;
+    const int64_t x2_tiles = active * ((p.m_rows + kDecodeX2Rows - 1) / kDecodeX2Rows);
+    const GemmTile decode_overlap = x2_tiles * kDecodeFillDen >= slots * kDecodeFillNum
+                                        ? GemmTile::kDecode16X2K2
+                                        : GemmTile::kDecode16Overlap;
     if (avg <= kDecode8MaxAvgRows) {
       // NOTES: no overlapped 8-row decode tile: its first version wrote h_q/h_act that disagreed
       // on the H200 (device run at dbab4e4) and was removed; overlap uses the 16-row tiles here.
@@ -188,9 +184,6 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
       return;
     case GemmTile::kDecode16X4K2:
       launch_k_staged<Decode16X4K2Config, Decode16X4OverlapConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillTriStaged:
-      launch_config<PrefillTriStagedConfig, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:

@@ -378,16 +378,15 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
 // (timed by Sm90GemmBench). The candidates are tested in their own suite, Sm90GemmOptIn, so a
 // failure there is attributed to them and leaves the default suite's verdict alone.
 constexpr sm90::GemmTile kDefaultTiles[] = {
-    sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kDecode16X2Overlap,
-    sm90::GemmTile::kDecode16X4Overlap, sm90::GemmTile::kPrefillOverlap,
-    sm90::GemmTile::kPrefillWideOverlap, sm90::GemmTile::kPrefillStaged,
-    sm90::GemmTile::kPrefillWideStaged,
+    sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kDecode16X2K2,
+    sm90::GemmTile::kDecode16X2Overlap,  // kDecode16X2K2's twin when K % 128 != 0
+    sm90::GemmTile::kPrefillOverlap, sm90::GemmTile::kPrefillWideOverlap,
+    sm90::GemmTile::kPrefillStaged, sm90::GemmTile::kPrefillWideStaged,
     sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16, sm90::GemmTile::kPrefill};
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
                                           sm90::GemmTile::kDecode16X2Overlap3,
-                                          sm90::GemmTile::kDecode16X2K2,
-                                          sm90::GemmTile::kDecode16X4K2,
-                                          sm90::GemmTile::kPrefillTriStaged};
+                                          sm90::GemmTile::kDecode16X4Overlap,
+                                          sm90::GemmTile::kDecode16X4K2};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -579,7 +578,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillWideOverlap);
         variants.push_back(sm90::GemmTile::kPrefillStaged);
         variants.push_back(sm90::GemmTile::kPrefillWideStaged);
-        variants.push_back(sm90::GemmTile::kPrefillTriStaged);
       }
       for (const sm90::GemmTile tile : variants)
       for (int which = 0; which < 2; ++which) {
