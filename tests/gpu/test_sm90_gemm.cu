@@ -441,6 +441,18 @@ TEST(Sm90GemmOptIn, ScalesAboveAndBelow128) {
   for (const sm90::GemmTile tile : kOptInTiles) wide_scale_case(tile);
 }
 
+// The decode tiles with two k-blocks per stage on a problem small enough for compute-sanitizer
+// (tests/gpu/run_reliability.sh runs ReliabilitySanitize.* under memcheck, racecheck and
+// synccheck): the layer's small shape has too few tiles for kAuto to pick them.
+TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(512, 256, {3, 0, 9, 1}, false, 13);
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2, sm90::GemmTile::kDecode16X4K2}) {
+    run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
+    run_l2_case(p, p.rows, false, tile);
+  }
+}
+
 // More tiles than CTA slots (132 SMs x 4): every CTA runs several tiles, so the pipeline's stage
 // and phase carry over tile boundaries (L1 of the 256-row tile: 8 m-tiles x 96 experts).
 TEST(Sm90GemmOptIn, SeveralTilesPerCta) {
