@@ -189,6 +189,10 @@ using Decode16X2Overlap3Config = GemmConfig<1, 2, 16, 8, 10, 3, true>;
 //            (each bulk copy ~20: the copy operands are made warp-uniform in a loop), all on one
 //            scheduler; stalls: fixed-latency waits 22 %, issue (selected + not selected) 36 %.
 using Decode16X2K2Config = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2>;
+//   Decode16X2K2x3: the same tile with 3 CTAs per SM and 5 stages, for launches whose tile count
+//            fills the 3-CTA grid in clearly fewer, fuller waves (Kimi-K3 L1 at T = 1: 768 tiles
+//            are 1.45 waves of 528 slots but 1.94 of 396).
+using Decode16X2K2x3Config = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2>;
 using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
 
 }  // namespace megamoe::sm90

@@ -26,6 +26,10 @@ constexpr int64_t kDecodeMaxAvgRows = 16;
 // prefill tiles ran 14 % (L1) and 12 % (L2) faster than the overlapped 16-row decode tile, at 9
 // (Kimi-K3, T = 512) 15 % slower (H200, revision c68aefa, docs/perf.md).
 constexpr int64_t kDecodeOverlapMaxAvgRows = 12;
+// ... except for the 128-row two-k-block decode tile, which beat the staged prefill tiles at 16
+// average rows (DeepSeek-V3 T = 512: L1 2596 against 2844 us, L2 1280 against 1484; H200,
+// revision 02f5f31, bench/results/gemm_bench_02f5f31.txt): it is used up to 16 when picked.
+constexpr int64_t kDecodeX2MaxAvgRows = 16;
 // The 128-row decode tile (Decode16X2Overlap) is used when its tiles cover at least 3/4 of the
 // CTA slots (SMs x 4): on the H200 (revision c2f4f9b) it streamed weights 1.1-1.2x faster than
 // the 64-row tile from T = 8 up, and at T = 1 whenever it had enough tiles (Kimi-K3 L1: 512
@@ -38,6 +42,18 @@ constexpr int64_t kDecodeOverlapMaxAvgRows = 12;
 // L2 (H200, revision fe21102, docs/perf.md).
 constexpr int64_t kDecodeX2Rows = Decode16X2K2Config::kBlockM;
 constexpr int64_t kDecodeCtasPerSm = Decode16X2K2Config::kMinBlocksPerSM;
+// With 3 CTAs per SM (Decode16X2K2x3) when that grid's waves are >= 10 % fuller: the last wave
+// of a persistent launch leaves slots idle, e.g. Kimi-K3 L1 at T = 1 (768 tiles: 73 % of 2 waves
+// of 528 slots, 97 % of 2 waves of 396). In full waves 3 CTAs per SM streamed 3-5 % slower than
+// 4 (Decode16X2Overlap3 against Decode16X2Overlap, revision c375334).
+static_assert(Decode16X2K2x3Config::kBlockM == kDecodeX2Rows, "same tile");
+constexpr int64_t kDecodeCtasPerSm3 = Decode16X2K2x3Config::kMinBlocksPerSM;
+
+// Fraction of the CTA slots busy over the waves of a persistent launch of `tiles` tiles.
+double wave_fill(int64_t tiles, int64_t slots) {
+  const int64_t waves = (tiles + slots - 1) / slots;
+  return waves == 0 ? 1.0 : static_cast<double>(tiles) / static_cast<double>(waves * slots);
+}
 constexpr int64_t kDecodeFillNum = 3, kDecodeFillDen = 4;
 // At or below 4 average rows, 8-row tiles (half the B bytes per stage; most experts get 1-3 rows).
 constexpr int64_t kDecode8MaxAvgRows = 4;
@@ -130,17 +146,23 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     const int64_t avg = rows / active;
     // Decode with the overlapped configs: the 128-row weight tile (two accumulator chains, two
     // k-blocks per stage) when its tiles fill enough of the persistent grid, else the 64-row one.
-    const int64_t slots = int64_t{cuda::device_info().sm_count} * kDecodeCtasPerSm;
+    const int64_t sms = cuda::device_info().sm_count;
+    const int64_t slots = sms * kDecodeCtasPerSm;
     const int64_t x2_tiles = active * ((p.m_rows + kDecodeX2Rows - 1) / kDecodeX2Rows);
-    const GemmTile decode_overlap = x2_tiles * kDecodeFillDen >= slots * kDecodeFillNum
-                                        ? GemmTile::kDecode16X2K2
-                                        : GemmTile::kDecode16Overlap;
+    const bool three_per_sm =
+        wave_fill(x2_tiles, sms * kDecodeCtasPerSm3) >= 1.1 * wave_fill(x2_tiles, slots);
+    const GemmTile decode_overlap =
+        x2_tiles * kDecodeFillDen < slots * kDecodeFillNum ? GemmTile::kDecode16Overlap
+        : three_per_sm                                     ? GemmTile::kDecode16X2K2x3
+                                                           : GemmTile::kDecode16X2K2;
     if (avg <= kDecode8MaxAvgRows) {
       // NOTES: no overlapped 8-row decode tile: its first version wrote h_q/h_act that disagreed
       // on the H200 (device run at dbab4e4) and was removed; overlap uses the 16-row tiles here.
       tile = overlap ? decode_overlap : GemmTile::kDecode8;
     } else if (avg <= (overlap ? kDecodeOverlapMaxAvgRows : kDecodeMaxAvgRows)) {
       tile = overlap ? decode_overlap : GemmTile::kDecode16;
+    } else if (overlap && avg <= kDecodeX2MaxAvgRows && decode_overlap != GemmTile::kDecode16Overlap) {
+      tile = decode_overlap;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
       tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillWideStaged : GemmTile::kPrefillWideOverlap;
     } else if (overlap) {
@@ -184,6 +206,9 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
       return;
     case GemmTile::kDecode16X4K2:
       launch_k_staged<Decode16X4K2Config, Decode16X4OverlapConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kDecode16X2K2x3:
+      launch_k_staged<Decode16X2K2x3Config, Decode16X2Overlap3Config, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:

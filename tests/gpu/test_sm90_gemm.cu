@@ -379,12 +379,13 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
 // failure there is attributed to them and leaves the default suite's verdict alone.
 constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kDecode16X2K2,
-    sm90::GemmTile::kDecode16X2Overlap,  // kDecode16X2K2's twin when K % 128 != 0
+    sm90::GemmTile::kDecode16X2K2x3,
+    sm90::GemmTile::kDecode16X2Overlap,   // kDecode16X2K2's twin when K % 128 != 0
+    sm90::GemmTile::kDecode16X2Overlap3,  // kDecode16X2K2x3's twin
     sm90::GemmTile::kPrefillOverlap, sm90::GemmTile::kPrefillWideOverlap,
     sm90::GemmTile::kPrefillStaged, sm90::GemmTile::kPrefillWideStaged,
     sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16, sm90::GemmTile::kPrefill};
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
-                                          sm90::GemmTile::kDecode16X2Overlap3,
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2};
 
@@ -447,7 +448,8 @@ TEST(Sm90GemmOptIn, ScalesAboveAndBelow128) {
 TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {3, 0, 9, 1}, false, 13);
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2, sm90::GemmTile::kDecode16X4K2}) {
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2, sm90::GemmTile::kDecode16X2K2x3,
+                                    sm90::GemmTile::kDecode16X4K2}) {
     run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
     run_l2_case(p, p.rows, false, tile);
   }
@@ -584,6 +586,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X2Overlap3);
         variants.push_back(sm90::GemmTile::kDecode16X2K2);
         variants.push_back(sm90::GemmTile::kDecode16X4K2);
+        variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
