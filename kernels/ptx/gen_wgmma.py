@@ -30,6 +30,20 @@ for n in range(8, 257, 8):
         f'        "{{%{a0}, %{a0+1}, %{a0+2}, %{a0+3}}}, %{a0+4}, p, 1, 1, 0;\\n}}\\n"',
         f'        : {outs}',
         '        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));',
+        '  }',
+        '  // The same with the descriptor\'s high word the constant kDescHi (K-major, 128-byte swizzle):',
+        '  // only the low word (start address) lives in a register.',
+        '  template <uint32_t kDescHi>',
+        '  __device__ __forceinline__ static void mma_lo(float* d, const uint32_t (&a)[4], uint32_t desc_lo,',
+        '                                                uint32_t scale_d) {',
+        '    asm volatile(',
+        '        "{\\n .reg .pred p;\\n .reg .b32 hi;\\n .reg .b64 desc;\\n setp.ne.b32 p, %' + str(a0 + 5) + ', 0;\\n"',
+        '        " mov.b32 hi, %' + str(a0 + 6) + ';\\n mov.b64 desc, {%' + str(a0 + 4) + ', hi};\\n"',
+        f'        " wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 "',
+        f'        "{{{dregs}}}, "',
+        f'        "{{%{a0}, %{a0+1}, %{a0+2}, %{a0+3}}}, desc, p, 1, 1, 0;\\n}}\\n"',
+        f'        : {outs}',
+        '        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(desc_lo), "r"(scale_d), "n"(kDescHi));',
         '  }\n};\n']
 lines += ['}  // namespace megamoe::ptx', '']
 with open(os.path.join(HERE, 'sm90_wgmma_bf16_rs.cuh'), 'w') as f:

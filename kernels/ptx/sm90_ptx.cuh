@@ -117,6 +117,12 @@ __device__ __forceinline__ void wgmma_wait() {
 constexpr uint32_t kSwizzleRowBytes = 128;
 constexpr uint32_t kSwizzleAtomBytes = 8 * kSwizzleRowBytes;
 
+// The two words of smem_desc_k128b: the low one depends on the address, the high one is constant.
+__device__ __forceinline__ uint32_t smem_desc_k128b_lo(const void* tile) {
+  return ((smem_addr(tile) & 0x3FFFFu) >> 4) | (1u << 16);
+}
+constexpr uint32_t kSmemDescK128bHi = (kSwizzleAtomBytes >> 4) | (1u << 30);
+
 __device__ __forceinline__ uint64_t smem_desc_k128b(const void* tile) {
   const uint64_t addr = smem_addr(tile);
   uint64_t desc = (addr & 0x3FFFF) >> 4;
@@ -168,6 +174,21 @@ __device__ __forceinline__ int opaque(int x) {
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// a * (h, h) where h is the low (kHigh = false) or high half of b: the broadcast is an operand
+// modifier of the multiply (HMUL2 ... R.H0_H0 / R.H1_H1), not an instruction.
+template <bool kHigh>
+__device__ __forceinline__ uint32_t mul_bf16x2_by_half(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (kHigh) {
+    asm("{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {hi, hi};\n"
+        " mul.rn.bf16x2 %0, %1, bb;\n}" : "=r"(d) : "r"(a), "r"(b));
+  } else {
+    asm("{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {lo, lo};\n"
+        " mul.rn.bf16x2 %0, %1, bb;\n}" : "=r"(d) : "r"(a), "r"(b));
+  }
   return d;
 }
 

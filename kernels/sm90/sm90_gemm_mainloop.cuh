@@ -47,13 +47,13 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t sf_word, int byte) {
   return bits | (bits << 16);
 }
 
-// BF16x2 (2^(b - 1), 2^(b - 1)) of scale byte kByte of the word, for b < 128: the byte is
-// placed in both 16-bit halves (prmt) and b * 2^7 + (126 << 7) is the BF16 with exponent field
-// b + 126.
-template <int kByte>
-__device__ __forceinline__ uint32_t scale_folded_bf16x2(uint32_t sf_word) {
-  constexpr uint32_t kZeroByte = 4;  // selects a byte of the zero second operand
-  constexpr uint32_t kSelector = (kZeroByte << 12) | (kByte << 8) | (kZeroByte << 4) | kByte;
+// BF16x2 (2^(a - 1), 2^(b - 1)) of scale bytes a = byte kLo (low half) and b = byte kHi (high
+// half) of the word, both < 128: the bytes are placed at bits 0 and 16 (prmt), and
+// a * 2^7 + (126 << 7) is the BF16 with exponent field a + 126 (likewise b).
+template <int kLo, int kHi>
+__device__ __forceinline__ uint32_t scale_folded_pair_bf16x2(uint32_t sf_word) {
+  constexpr uint32_t kZeroByte = 4;
+  constexpr uint32_t kSelector = (kZeroByte << 12) | (kHi << 8) | (kZeroByte << 4) | kLo;
   const uint32_t b2 = __byte_perm(sf_word, 0u, kSelector);
   return b2 * (1u << 7) + sm90_layout::kFoldedScaleBias;
 }
@@ -183,13 +183,16 @@ struct Mainloop {
     if (__all_sync(0xFFFFFFFFu, (sfw & sm90_layout::kScaleHighBits) == 0)) {
       // Every scale of the warp is <= 2^0 (b < 128, the usual case): one multiply by
       // 2^(b - 1) = 2^126 x 2^(b - 127), a normal BF16 for b in [0, 127], gives E2M1 x 2^(b - 127)
-      // exactly (one factor is a power of two and the product is representable).
-      const uint32_t sc[2][2] = {{scale_folded_bf16x2<0>(sfw), scale_folded_bf16x2<1>(sfw)},
-                                 {scale_folded_bf16x2<2>(sfw), scale_folded_bf16x2<3>(sfw)}};
+      // exactly (one factor is a power of two and the product is representable). The two scales
+      // of a row (k groups j = 0, 1) share one BF16x2 register, each multiply takes its half.
+      const uint32_t sc[2] = {scale_folded_pair_bf16x2<0, 1>(sfw), scale_folded_pair_bf16x2<2, 3>(sfw)};
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) frags[s][i] = ptx::mul_bf16x2(bits[s][i], sc[i & 1][s / 2]);
+        for (int i = 0; i < 4; ++i) {
+          frags[s][i] = s < 2 ? ptx::mul_bf16x2_by_half<false>(bits[s][i], sc[i & 1])
+                              : ptx::mul_bf16x2_by_half<true>(bits[s][i], sc[i & 1]);
+        }
       }
     } else {
       // Any scale: by 2^126, then by 2^(b - 127) (2^(b - 1) would overflow BF16 for b > 128).
@@ -236,16 +239,18 @@ struct Mainloop {
       // k16 step s of k-block j starts 32 bytes further into each 128-byte swizzled row of box j
       // (descriptor units of 16 B). Descriptors and the scale-d flag are computed before the
       // fence, outside the wgmma window.
-      const uint64_t desc_stage = ptx::smem_desc_k128b(smem_b + stage * Cfg::kSmemBBytes);
+      const uint32_t desc_stage = ptx::smem_desc_k128b_lo(smem_b + stage * Cfg::kSmemBBytes);
       const bool has_next_stage = ks + 1 < num_k_stages;
       const int next_stage = stage + 1 == Cfg::kNumStages ? 0 : stage + 1;
       const uint32_t next_phase = stage + 1 == Cfg::kNumStages ? phase ^ 1u : phase;
 #pragma unroll
       for (int j = 0; j < kKSub; ++j) {
-        uint64_t desc[kSteps];
+        // Low descriptor words (the start address field; the stage base is 1024-aligned, so the
+        // additions never carry out of it); the high word is the constant kSmemDescK128bHi.
+        uint32_t desc[kSteps];
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
-          desc[s] = desc_stage + static_cast<uint64_t>((j * Cfg::kSmemBBoxBytes +
+          desc[s] = desc_stage + static_cast<uint32_t>((j * Cfg::kSmemBBoxBytes +
                                                          s * sm90_layout::kStepK * 2) / 16);
         }
         const uint32_t scale_d0 = ks != 0 || j != 0 ? 1u : 0u;
@@ -256,7 +261,8 @@ struct Mainloop {
           ptx::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < kSteps; ++s) {
-            ptx::WgmmaBf16RS<kN>::mma(acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
+            ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
+                acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
           }
           ptx::wgmma_commit();
           if (sub + 1 < kMBlocksPerWG) {
