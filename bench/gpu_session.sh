@@ -137,7 +137,7 @@ for step in $STEPS; do
       --git-rev "$(cat REVISION 2>/dev/null || echo unknown)-serial" --json "$OUT/layer_serial.jsonl" \
       >"$OUT/layer_serial.txt" 2>&1
     echo "exit $?" >>"$OUT/layer_serial.txt"
-    tail -2 "$OUT/layer_default.txt" "$OUT/layer_serial.txt" >>"$LOG" ;;
+    tail -n 2 "$OUT/layer_default.txt" "$OUT/layer_serial.txt" >>"$LOG" 2>/dev/null ;;
   ncu)
     # Where the GEMMs' time goes: the first NCU_COUNT (default 2: L1 and L2) grouped-GEMM launches
     # of `megamoe bench --shape S --tokens T` for each S:T in NCU_RUNS (default kimi-k3:64).

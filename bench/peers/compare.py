@@ -68,6 +68,15 @@ def run_cmd(cmd, timeout):
         return f'oserror: {exc}', '', ''
 
 
+def named_revision() -> str:
+    """The revision named in REPO/REVISION (bench/gpu_session.sh's caller writes it), or ''."""
+    try:
+        with open(os.path.join(REPO, 'REVISION')) as f:
+            return f.read().strip()
+    except OSError:
+        return ''
+
+
 def environment() -> dict:
     env = {'system': 'environment', 'date': datetime.datetime.now(datetime.timezone.utc).isoformat()}
     rc, out, _ = run_cmd(['nvidia-smi', '--query-gpu=name,driver_version,clocks.sm,clocks.mem,'
@@ -75,10 +84,16 @@ def environment() -> dict:
     if rc == 0 and out.strip():
         keys = ('gpu', 'driver', 'clock_sm', 'clock_mem', 'clock_max_sm', 'clock_max_mem', 'power_limit')
         env.update(dict(zip(keys, [s.strip() for s in out.strip().splitlines()[0].split(',')])))
-    rc, out, _ = run_cmd(['git', '-C', REPO, 'rev-parse', 'HEAD'], 30)
-    env['git_rev'] = out.strip() if rc == 0 and out.strip() else os.environ.get('MEGAMOE_GIT_REV', 'unknown')
-    rc, out, _ = run_cmd(['git', '-C', REPO, 'status', '--porcelain', '--untracked-files=no'], 30)
-    env['git_dirty'] = bool(out.strip()) if rc == 0 else None
+    named = named_revision()
+    if named:
+        # The device machine's copy of the tree may carry stale git metadata: the caller's
+        # REVISION file names the revision under test.
+        env['git_rev'], env['git_rev_source'], env['git_dirty'] = named, 'REVISION file', None
+    else:
+        rc, out, _ = run_cmd(['git', '-C', REPO, 'rev-parse', 'HEAD'], 30)
+        env['git_rev'] = out.strip() if rc == 0 and out.strip() else os.environ.get('MEGAMOE_GIT_REV', 'unknown')
+        rc, out, _ = run_cmd(['git', '-C', REPO, 'status', '--porcelain', '--untracked-files=no'], 30)
+        env['git_dirty'] = bool(out.strip()) if rc == 0 else None
     try:
         import torch
         env['torch'] = torch.__version__
@@ -134,6 +149,7 @@ def run_megamoe(args, shapes, tokens) -> list[dict]:
                 continue
             cmd = [args.megamoe_bin, 'bench', '--shape', s, '--tokens', ','.join(map(str, tokens)),
                    '--routing', r, '--ep-size', str(megamoe_ep_size(s)), '--json', json_path, '--no-stages',
+                   *(['--git-rev', named_revision()] if named_revision() else []),
                    *([] if n == 0 else ['--no-ceilings']), *shlex.split(args.megamoe_args)]
             print('running:', shlex.join(cmd), flush=True)
             t0 = time.time()
