@@ -36,7 +36,7 @@ constexpr int64_t kDecodeX2MaxAvgRows = 16;
 // tiles, 117 against 123 us; DeepSeek-V3 L2: 448 tiles, 45 against 52 us), but lost with half
 // the slots empty (DeepSeek-V3 L1 at T = 1: 256 tiles, 105 against 82 us).
 // It runs with two k-blocks per pipeline stage (Decode16X2K2; its one-k-block twin when K is not
-// a multiple of 128): 1.07-1.18x faster than Decode16X2Overlap at every decode point of both
+// a multiple of 128): 1.05-1.13x faster than Decode16X2Overlap at every decode point of both
 // shapes, and faster than the 256-row tiles with one or two k-blocks per stage (Decode16X4Overlap,
 // kAuto's former pick at <= 4 average rows, and Decode16X4K2) except within 1 % at Kimi-K3 T = 64
 // L2 (H200, revision fe21102, docs/perf.md).
