@@ -69,7 +69,8 @@ enum class GemmTile : int {
   kDecode16X2K2x3 = 20,      // kDecode16X2K2 with 3 CTAs per SM and 5 stages
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
-  // (17, 18: when K is not a multiple of 128 they run as their one-k-block twins, 13 and 15)
+  // (17, 18, 20: when K is not a multiple of 128 they run as their one-k-block twins, 13, 15
+  // and 16)
 };
 
 struct L1Args {
