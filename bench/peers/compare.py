@@ -141,6 +141,7 @@ def run_megamoe(args, shapes, tokens) -> list[dict]:
     runs = [(s, r) for s in shapes for r in routings]
     deadline = time.time() + args.megamoe_timeout
     failures = {}
+    rev = named_revision()
     with open(os.path.join(args.out, 'megamoe_bench.log'), 'w') as log:
         for n, (s, r) in enumerate(runs):
             left = deadline - time.time()
@@ -149,7 +150,7 @@ def run_megamoe(args, shapes, tokens) -> list[dict]:
                 continue
             cmd = [args.megamoe_bin, 'bench', '--shape', s, '--tokens', ','.join(map(str, tokens)),
                    '--routing', r, '--ep-size', str(megamoe_ep_size(s)), '--json', json_path, '--no-stages',
-                   *(['--git-rev', named_revision()] if named_revision() else []),
+                   *(['--git-rev', rev] if rev else []),
                    *([] if n == 0 else ['--no-ceilings']), *shlex.split(args.megamoe_args)]
             print('running:', shlex.join(cmd), flush=True)
             t0 = time.time()
