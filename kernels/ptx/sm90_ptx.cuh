@@ -124,12 +124,7 @@ __device__ __forceinline__ uint32_t smem_desc_k128b_lo(const void* tile) {
 constexpr uint32_t kSmemDescK128bHi = (kSwizzleAtomBytes >> 4) | (1u << 30);
 
 __device__ __forceinline__ uint64_t smem_desc_k128b(const void* tile) {
-  const uint64_t addr = smem_addr(tile);
-  uint64_t desc = (addr & 0x3FFFF) >> 4;
-  desc |= static_cast<uint64_t>(1) << 16;
-  desc |= static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32;
-  desc |= static_cast<uint64_t>(1) << 62;
-  return desc;
+  return (static_cast<uint64_t>(kSmemDescK128bHi) << 32) | smem_desc_k128b_lo(tile);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -146,8 +146,8 @@ struct Mainloop {
     }
   }
 
-  // ---- overlapped mainloop (opt-in configs, kOverlapConvert): conversion of the next block
-  // during the current block's wgmmas, one multiply per conversion when the scales allow.
+  // ---- overlapped mainloop (kOverlapConvert, the configs kAuto picks): conversion of the next
+  // block during the current block's wgmmas, one multiply per conversion when the scales allow.
 
   // Shared-memory weight / scale block of CTA-local weight block `lm`, k-block `j` of a stage.
   __device__ __forceinline__ static const uint8_t* a_block(const uint8_t* smem_a, int stage, int lm,
@@ -185,7 +185,8 @@ struct Mainloop {
       // 2^(b - 1) = 2^126 x 2^(b - 127), a normal BF16 for b in [0, 127], gives E2M1 x 2^(b - 127)
       // exactly (one factor is a power of two and the product is representable). The two scales
       // of a row (k groups j = 0, 1) share one BF16x2 register, each multiply takes its half.
-      const uint32_t sc[2] = {scale_folded_pair_bf16x2<0, 1>(sfw), scale_folded_pair_bf16x2<2, 3>(sfw)};
+      const uint32_t sc[2] = {scale_folded_pair_bf16x2<0, 1>(sfw),
+                              scale_folded_pair_bf16x2<2, 3>(sfw)};
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
 #pragma unroll
