@@ -59,9 +59,10 @@ struct GemmParams {
 // (the launcher falls back to the one-k-block twin otherwise).
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
-          int kKBlocksPerStage_ = 1>
+          int kKBlocksPerStage_ = 1, bool kChainBlocks_ = false>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
+  static constexpr bool kChainBlocks = kChainBlocks_;
   static constexpr int kKBlocksPerStage = kKBlocksPerStage_;
   static constexpr bool kStagedEpilogue = kStagedEpilogue_;
   static constexpr int kNumMathWG = kNumMathWG_;
@@ -126,6 +127,8 @@ struct GemmConfig {
   static_assert(kNumMathWG * 4 <= 15, "named barriers 1..kNumMathWG");
   static_assert(kKBlocksPerStage >= 1 && (kKBlocksPerStage == 1 || kOverlapConvert),
                 "several k-blocks per stage: overlapped mainloop only");
+  static_assert(!kChainBlocks || (kOverlapConvert && kMBlocksPerWG >= 2),
+                "the chained mainloop: overlapped, two or more weight blocks per warpgroup");
 };
 
 // The configurations that ship (one table; see the launcher for when each is used):
@@ -194,5 +197,10 @@ using Decode16X2K2Config = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2>;
 //            are 1.45 waves of 528 slots but 1.94 of 396).
 using Decode16X2K2x3Config = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2>;
 using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
+// Chained (kChainBlocks; candidates): the same tiles with the chained mainloop.
+using PrefillChainedConfig = GemmConfig<2, 2, 128, 16, 7, 1, true, true, 1, true>;
+using PrefillChainedK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2, true>;
+using Decode16X2K2ChainedConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, true>;
+using Decode16X2K2x3ChainedConfig = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2, true>;
 
 }  // namespace megamoe::sm90

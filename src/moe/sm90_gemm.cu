@@ -210,6 +210,18 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     case GemmTile::kDecode16X2K2x3:
       launch_k_staged<Decode16X2K2x3Config, Decode16X2Overlap3Config, kKind>(p, b_rows, stream);
       return;
+    case GemmTile::kPrefillChained:
+      launch_config<PrefillChainedConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillChainedK2:
+      launch_k_staged<PrefillChainedK2Config, PrefillChainedConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kDecode16X2K2Chained:
+      launch_k_staged<Decode16X2K2ChainedConfig, Decode16X2OverlapConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kDecode16X2K2x3Chained:
+      launch_k_staged<Decode16X2K2x3ChainedConfig, Decode16X2Overlap3Config, kKind>(p, b_rows, stream);
+      return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
     case GemmTile::kAutoSerial:

@@ -67,6 +67,10 @@ enum class GemmTile : int {
   kDecode16X2K2 = 17,        // kDecode16X2Overlap with two k-blocks per pipeline stage
   kDecode16X4K2 = 18,        // kDecode16X4Overlap with two k-blocks per pipeline stage
   kDecode16X2K2x3 = 20,      // kDecode16X2K2 with 3 CTAs per SM and 5 stages
+  kPrefillChained = 21,      // kPrefillStaged with the chained mainloop
+  kPrefillChainedK2 = 22,    // kPrefillChained with two k-blocks per stage (3 stages)
+  kDecode16X2K2Chained = 23,    // kDecode16X2K2 with the chained mainloop
+  kDecode16X2K2x3Chained = 24,  // kDecode16X2K2x3 with the chained mainloop
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
   // (17, 18, 20: when K is not a multiple of 128 they run as their one-k-block twins, 13, 15

@@ -387,7 +387,11 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16, sm90::GemmTile::kPrefill};
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
                                           sm90::GemmTile::kDecode16X4Overlap,
-                                          sm90::GemmTile::kDecode16X4K2};
+                                          sm90::GemmTile::kDecode16X4K2,
+                                          sm90::GemmTile::kPrefillChained,
+                                          sm90::GemmTile::kPrefillChainedK2,
+                                          sm90::GemmTile::kDecode16X2K2Chained,
+                                          sm90::GemmTile::kDecode16X2K2x3Chained};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -449,7 +453,9 @@ TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {3, 0, 9, 1}, false, 13);
   for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2, sm90::GemmTile::kDecode16X2K2x3,
-                                    sm90::GemmTile::kDecode16X4K2}) {
+                                    sm90::GemmTile::kDecode16X4K2,
+                                    sm90::GemmTile::kDecode16X2K2Chained,
+                                    sm90::GemmTile::kDecode16X2K2x3Chained}) {
     run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
     run_l2_case(p, p.rows, false, tile);
   }
@@ -587,12 +593,16 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X2K2);
         variants.push_back(sm90::GemmTile::kDecode16X4K2);
         variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
+        variants.push_back(sm90::GemmTile::kDecode16X2K2Chained);
+        variants.push_back(sm90::GemmTile::kDecode16X2K2x3Chained);
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
         variants.push_back(sm90::GemmTile::kPrefillWideOverlap);
         variants.push_back(sm90::GemmTile::kPrefillStaged);
         variants.push_back(sm90::GemmTile::kPrefillWideStaged);
+        variants.push_back(sm90::GemmTile::kPrefillChained);
+        variants.push_back(sm90::GemmTile::kPrefillChainedK2);
       }
       for (const sm90::GemmTile tile : variants)
       for (int which = 0; which < 2; ++which) {
