@@ -140,23 +140,28 @@ for step in $STEPS; do
     tail -n 2 "$OUT/layer_default.txt" "$OUT/layer_serial.txt" >>"$LOG" 2>/dev/null ;;
   ncu)
     # Where the GEMMs' time goes: the first NCU_COUNT (default 2: L1 and L2) grouped-GEMM launches
-    # of `megamoe bench --shape S --tokens T` for each S:T in NCU_RUNS (default kimi-k3:64).
-    # NCU_FULL=1: the full section set plus per-instruction (SASS) samples, the report and its
-    # source page (CSV) kept in $OUT.
+    # of `megamoe bench --shape S --tokens T` for each S:T[:TILE] in NCU_RUNS (default
+    # kimi-k3:64; TILE: a GemmTile number forced with MEGAMOE_SM90_GEMM_TILE).
+    # NCU_FULL=1: the full section set plus per-instruction (SASS) samples; the details in $OUT,
+    # the source page summarized by bench/ncu_sass_summary.py and kept gzipped.
     for run in ${NCU_RUNS:-kimi-k3:64}; do
-      shape=${run%%:*} nt=${run##*:} tag="${run%%:*}_t${run##*:}"
+      IFS=: read -r shape nt ftile <<<"$run"
+      tag="${shape}_t${nt}${ftile:+_tile$ftile}"
       say "nsight compute on the GEMMs ($tag)"
       NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
       if [ "${NCU_FULL:-0}" = 1 ]; then
-        timeout 200 "$NCU" -k regex:grouped_gemm --launch-count "${NCU_COUNT:-2}" --set full \
-          --import-source no -f -o "/tmp/ncu_$tag" "$CLI" bench --shape "$shape" \
-          --tokens "$nt" --replays 1 >"$LOGS/ncu_$tag.log" 2>&1
+        MEGAMOE_SM90_GEMM_TILE=${ftile:-0} timeout 200 "$NCU" -k regex:grouped_gemm \
+          --launch-count "${NCU_COUNT:-2}" --set full --import-source no -f -o "/tmp/ncu_$tag" \
+          "$CLI" bench --shape "$shape" --tokens "$nt" --replays 1 >"$LOGS/ncu_$tag.log" 2>&1
         echo "exit $?" >>"$LOGS/ncu_$tag.log"
         "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --print-details all >"$OUT/ncu_$tag.txt" 2>&1
         "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --page source --print-source sass --csv \
-          >"$OUT/ncu_${tag}_sass.csv" 2>&1
+          >"/tmp/ncu_${tag}_sass.csv" 2>&1
+        python3 bench/ncu_sass_summary.py "/tmp/ncu_${tag}_sass.csv" 80 >"$OUT/ncu_${tag}_sass_summary.txt" 2>&1
+        gzip -c "/tmp/ncu_${tag}_sass.csv" >"$OUT/ncu_${tag}_sass.csv.gz"
       else
-        timeout 150 "$NCU" -k regex:grouped_gemm --launch-count "${NCU_COUNT:-2}" --section SpeedOfLight \
+        MEGAMOE_SM90_GEMM_TILE=${ftile:-0} timeout 150 "$NCU" -k regex:grouped_gemm \
+          --launch-count "${NCU_COUNT:-2}" --section SpeedOfLight \
           --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
           --section Occupancy --section LaunchStats "$CLI" bench --shape "$shape" \
           --tokens "$nt" --replays 1 >"$OUT/ncu_$tag.txt" 2>&1

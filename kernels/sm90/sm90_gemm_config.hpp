@@ -200,6 +200,7 @@ using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
 // Chained (kChainBlocks; candidates): the same tiles with the chained mainloop.
 using PrefillChainedConfig = GemmConfig<2, 2, 128, 16, 7, 1, true, true, 1, true>;
 using PrefillChainedK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2, true>;
+using PrefillK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2>;
 using Decode16X2K2ChainedConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, true>;
 using Decode16X2K2x3ChainedConfig = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2, true>;
 

@@ -135,9 +135,21 @@ bool overlap_by_default() {
   return on;
 }
 
+// MEGAMOE_SM90_GEMM_TILE=<GemmTile number> (read once per process) replaces kAuto's choice in
+// every launch: for profiling a candidate tile inside the layer (`megamoe bench` under Nsight
+// Compute). 0 or unset: kAuto's policy. A number that is not a GemmTile fails at the launch.
+GemmTile forced_tile() {
+  static const GemmTile tile = [] {
+    const char* v = std::getenv("MEGAMOE_SM90_GEMM_TILE");
+    return v == nullptr ? GemmTile::kAuto : static_cast<GemmTile>(std::atoi(v));
+  }();
+  return tile;
+}
+
 template <GemmKind kKind>
 void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16_t* b_rows,
             cudaStream_t stream) {
+  if (tile == GemmTile::kAuto) tile = forced_tile();
   if (tile == GemmTile::kAuto) tile = overlap_by_default() ? GemmTile::kAutoOverlap : GemmTile::kAutoSerial;
   if (tile == GemmTile::kAutoSerial || tile == GemmTile::kAutoOverlap) {
     const bool overlap = tile == GemmTile::kAutoOverlap;
@@ -209,6 +221,9 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
       return;
     case GemmTile::kDecode16X2K2x3:
       launch_k_staged<Decode16X2K2x3Config, Decode16X2Overlap3Config, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillK2:
+      launch_k_staged<PrefillK2Config, PrefillStagedConfig, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kPrefillChained:
       launch_config<PrefillChainedConfig, kKind>(p, b_rows, stream);

@@ -71,6 +71,7 @@ enum class GemmTile : int {
   kPrefillChainedK2 = 22,    // kPrefillChained with two k-blocks per stage (3 stages)
   kDecode16X2K2Chained = 23,    // kDecode16X2K2 with the chained mainloop
   kDecode16X2K2x3Chained = 24,  // kDecode16X2K2x3 with the chained mainloop
+  kPrefillK2 = 25,           // kPrefillStaged with two k-blocks per stage (3 stages)
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
   // (17, 18, 20: when K is not a multiple of 128 they run as their one-k-block twins, 13, 15
