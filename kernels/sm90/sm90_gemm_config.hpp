@@ -59,10 +59,11 @@ struct GemmParams {
 // (the launcher falls back to the one-k-block twin otherwise).
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
-          int kKBlocksPerStage_ = 1, bool kChainBlocks_ = false>
+          int kKBlocksPerStage_ = 1, bool kChainBlocks_ = false, bool kAsyncEpilogue_ = false>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
   static constexpr bool kChainBlocks = kChainBlocks_;
+  static constexpr bool kAsyncEpilogue = kAsyncEpilogue_;
   static constexpr int kKBlocksPerStage = kKBlocksPerStage_;
   static constexpr bool kStagedEpilogue = kStagedEpilogue_;
   static constexpr int kNumMathWG = kNumMathWG_;
@@ -80,11 +81,20 @@ struct GemmConfig {
   // producer needs few registers, the math warpgroups hold kMBlocksPerWG x kBlockN/2 fp32
   // accumulators plus the converted A fragments. setmaxnreg works per warpgroup, so with it the
   // producer is a whole warpgroup; without it (decode: several CTAs per SM) one warp.
+  // kAsyncEpilogue: the producer warpgroup's warps 1..3 run the epilogue (below) and keep more
+  // registers (2 x 128 x 216 + 128 x 80 = 64 K).
   static constexpr bool kUseSetMaxNReg = kMinBlocksPerSM == 1 && kNumMathWG >= 2;
   static constexpr int kProducerThreads = kUseSetMaxNReg ? kWarpgroupThreads : 32;
   static constexpr int kThreads = kWarpgroupThreads * kNumMathWG + kProducerThreads;
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kMathRegs = 232;
+  static constexpr int kEpilogueThreads = kAsyncEpilogue ? kWarpgroupThreads - 32 : 0;
+  // Named barriers of the asynchronous epilogue, per math warpgroup w: kBarStaged + 2w (the
+  // warpgroup's tile is in shared memory) and kBarStageFree + 2w (the epilogue warps have read it).
+  // (1 + w are the staged epilogue's own warpgroup barriers.)
+  static constexpr int kBarStaged = 3;
+  static constexpr int kBarStageFree = 4;
+  static constexpr int kStageSyncThreads = kWarpgroupThreads + kEpilogueThreads;
+  static constexpr int kProducerRegs = kAsyncEpilogue ? 80 : 40;
+  static constexpr int kMathRegs = kAsyncEpilogue ? 216 : 232;
 
   // Shared memory per stage: B as kKBlocksPerStage boxes of [BLOCK_N rows][64 bf16] (128B-swizzled,
   // kSmemBBoxBytes each); A and SF per weight block m, k-block j of the stage at
@@ -108,9 +118,11 @@ struct GemmConfig {
   // 16-byte reads aligned.
   static constexpr int kStagePitch = 72;
   static constexpr size_t kOffStage = kOffAmax + kAmaxBytes;
+  // Asynchronous epilogue: every weight block of the tile has its own staging area (L1: g/u, L2:
+  // the output values), [math warpgroup][block][BLOCK_N][kStagePitch] BF16.
+  static constexpr size_t kStageBlocks = kAsyncEpilogue ? kNumMathWG * kMBlocksPerWG : kNumMathWG;
   static constexpr size_t kStageBytes =
-      kStagedEpilogue ? static_cast<size_t>(kNumMathWG) * kBlockN * kStagePitch * sizeof(uint16_t)
-                      : 0;
+      kStagedEpilogue ? kStageBlocks * kBlockN * kStagePitch * sizeof(uint16_t) : 0;
   static constexpr size_t kOffSchedule = kOffStage + kStageBytes;
   static constexpr size_t kAlignSlack = 1024;  // the dynamic smem base is re-aligned to 1024
 
@@ -129,6 +141,9 @@ struct GemmConfig {
                 "several k-blocks per stage: overlapped mainloop only");
   static_assert(!kChainBlocks || (kOverlapConvert && kMBlocksPerWG >= 2),
                 "the chained mainloop: overlapped, two or more weight blocks per warpgroup");
+  static_assert(!kAsyncEpilogue || (kStagedEpilogue && kOverlapConvert && kMinBlocksPerSM == 1 &&
+                                    kNumMathWG == 2),
+                "the asynchronous epilogue: staged, overlapped, one CTA per SM, two math warpgroups");
 };
 
 // The configurations that ship (one table; see the launcher for when each is used):
@@ -201,6 +216,11 @@ using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
 using PrefillChainedConfig = GemmConfig<2, 2, 128, 16, 7, 1, true, true, 1, true>;
 using PrefillChainedK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2, true>;
 using PrefillK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2>;
+// Asynchronous epilogue (candidates): the math warpgroups stage each tile's results in shared
+// memory and go on with the next tile; the producer warpgroup's warps 1..3 finish them.
+using PrefillAsyncConfig = GemmConfig<2, 2, 128, 16, 5, 1, true, true, 1, false, true>;
+using PrefillAsyncK2Config = GemmConfig<2, 2, 128, 16, 2, 1, true, true, 2, false, true>;
+using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, false, true>;
 using Decode16X2K2ChainedConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, true>;
 using Decode16X2K2x3ChainedConfig = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2, true>;
 

@@ -102,30 +102,24 @@ __device__ __forceinline__ void epilogue_l1(const GemmParams& p, const TileInfo&
 // Staged L1 epilogue (Cfg::kStagedEpilogue): same function as epilogue_l1, element for element
 // (the same expressions: bias add, BF16 rounding, activation, row weight, group amax, scale,
 // E4M3 code, dequantized BF16), organised for a short instruction stream and wide stores:
-//   1. each thread adds the bias to its accumulators and rounds them to BF16 (g and u as
-//      epilogue_l1 computes them) and writes them to shared memory ([col][kStagePitch] BF16,
-//      prepared row r of the block at index r);
-//   2. a rolled loop gives each column (token row) to 4 consecutive threads, thread k4 taking
-//      the channels c = 8 k4 .. 8 k4 + 7 of the group (gate = prepared row 16 k4 + e, up =
-//      16 k4 + 8 + e): two 16-byte reads, the group amax by two quad shuffles, and one 8-byte
-//      h_q store and one 16-byte h_act store per thread (h_sf by k4 == 0).
-// Called by all 128 threads of the warpgroup (named barrier 1 + wg).
-template <class Cfg, ActivationKind kKind>
-__device__ __forceinline__ void epilogue_l1_staged(const GemmParams& p, const TileInfo& tile,
-                                                   int mblk, const float (&acc)[Cfg::kBlockN / 2],
-                                                   uint16_t* smem_stage, int wg, int tid) {
+//   1. stage_l1_block: each thread adds the bias to its accumulators and rounds them to BF16
+//      (g and u as epilogue_l1 computes them) and writes them to shared memory
+//      ([col][kStagePitch] BF16, prepared row r of the block at index r);
+//   2. finish_l1_block: a rolled loop gives each column (token row) to 4 consecutive threads,
+//      thread k4 taking the channels c = 8 k4 .. 8 k4 + 7 of the group (gate = prepared row
+//      16 k4 + e, up = 16 k4 + 8 + e): two 16-byte reads, the group amax by two quad shuffles,
+//      and one 8-byte h_q store and one 16-byte h_act store per thread (h_sf by k4 == 0).
+// epilogue_l1_staged runs both in the math warpgroup (named barrier 1 + wg); with
+// Cfg::kAsyncEpilogue the math warpgroup runs step 1 and the epilogue warps step 2 (the kernel).
+template <class Cfg>
+__device__ __forceinline__ void stage_l1_block(const GemmParams& p, const TileInfo& tile, int mblk,
+                                               const float (&acc)[Cfg::kBlockN / 2],
+                                               uint16_t* stage, int tid) {
   constexpr int kPitch = Cfg::kStagePitch;
-  constexpr int kChunk = 8;                                     // channels per thread
-  constexpr int kThreadsPerCol = kChannelsPerGroup / kChunk;    // 4
-  constexpr int kColsPerPass = Cfg::kWarpgroupThreads / kThreadsPerCol;  // 32
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int I = p.intermediate;
-  Activation act = p.activation;
-  act.kind = kKind;
-  uint16_t* stage = smem_stage + static_cast<size_t>(wg) * Cfg::kBlockN * kPitch;
-
-  // 1. g, u = bf16(acc + bias) -> shared memory (all N columns; those past num_rows are never
-  //    read). Rows g / g + 8 of warp w are gate / up of channel j (sm90 interleave).
+  // Rows g / g + 8 of warp w are gate / up of channel j (sm90 interleave). All N columns are
+  // written; those past num_rows are never read.
   const int j = mblk * kChannelsPerGroup + warp * 8 + g;
   float bias_gate = 0.0f, bias_up = 0.0f;
   if (p.bias != nullptr) {
@@ -142,9 +136,21 @@ __device__ __forceinline__ void epilogue_l1_staged(const GemmParams& p, const Ti
       dst[8] = bf16_from_f32(acc[4 * i + 2 + h] + bias_up);
     }
   }
-  ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
+}
 
-  // 2. per column: 4 threads x 8 channels.
+// Step 2 by kThreads threads (tid in [0, kThreads), whole warps).
+template <class Cfg, ActivationKind kKind, int kThreads>
+__device__ __forceinline__ void finish_l1_block(const GemmParams& p, const TileInfo& tile, int mblk,
+                                                const uint16_t* stage, int tid) {
+  constexpr int kPitch = Cfg::kStagePitch;
+  constexpr int kChunk = 8;                                     // channels per thread
+  constexpr int kThreadsPerCol = kChannelsPerGroup / kChunk;    // 4
+  constexpr int kColsPerPass = kThreads / kThreadsPerCol;
+  static_assert(kThreads % 32 == 0, "whole warps");
+  const int lane = tid % 32;
+  const int I = p.intermediate;
+  Activation act = p.activation;
+  act.kind = kKind;
   const int k4 = tid % kThreadsPerCol;
   const int j0 = mblk * kChannelsPerGroup + k4 * kChunk;  // first channel of this thread
   for (int col = tid / kThreadsPerCol; col < tile.num_rows; col += kColsPerPass) {
@@ -190,7 +196,64 @@ __device__ __forceinline__ void epilogue_l1_staged(const GemmParams& p, const Ti
         make_uint4(act_words[0], act_words[1], act_words[2], act_words[3]);
     if (k4 == 0) p.h_sf[row * (I / kChannelsPerGroup) + mblk] = static_cast<uint8_t>(b);
   }
+}
+
+// Called by all 128 threads of the warpgroup (named barrier 1 + wg).
+template <class Cfg, ActivationKind kKind>
+__device__ __forceinline__ void epilogue_l1_staged(const GemmParams& p, const TileInfo& tile,
+                                                   int mblk, const float (&acc)[Cfg::kBlockN / 2],
+                                                   uint16_t* smem_stage, int wg, int tid) {
+  uint16_t* stage = smem_stage + static_cast<size_t>(wg) * Cfg::kBlockN * Cfg::kStagePitch;
+  stage_l1_block<Cfg>(p, tile, mblk, acc, stage, tid);
+  ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
+  finish_l1_block<Cfg, kKind, Cfg::kWarpgroupThreads>(p, tile, mblk, stage, tid);
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // the staging area is reused next
+}
+
+// Staged L2 epilogue (Cfg::kAsyncEpilogue): the math warpgroup writes bf16(acc (+ row_weight *
+// bias)) of its block to shared memory ([col][kStagePitch], output channel r of the block at
+// index r; the same expression as epilogue_l2), the epilogue warps copy each column's 64 values
+// (128 bytes) to out with 16-byte stores.
+template <class Cfg>
+__device__ __forceinline__ void stage_l2_block(const GemmParams& p, const TileInfo& tile, int mblk,
+                                               const float (&acc)[Cfg::kBlockN / 2],
+                                               uint16_t* stage, int tid) {
+  constexpr int kPitch = Cfg::kStagePitch;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int H = p.m_rows;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp * 16 + g + 8 * half;
+    const int n = mblk * sm90_layout::kBlockRows + r;
+    const float bias = p.bias != nullptr
+                           ? bf16_to_f32(p.bias[static_cast<int64_t>(tile.expert) * H + n])
+                           : 0.0f;
+#pragma unroll
+    for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = 8 * i + 2 * t + h;
+        float v = acc[4 * i + 2 * half + h];
+        if (p.bias != nullptr && col < tile.num_rows) v += __ldg(p.row_weights + tile.row0 + col) * bias;
+        stage[col * kPitch + r] = bf16_from_f32(v);
+      }
+    }
+  }
+}
+
+template <class Cfg, int kThreads>
+__device__ __forceinline__ void finish_l2_block(const GemmParams& p, const TileInfo& tile, int mblk,
+                                                const uint16_t* stage, int tid) {
+  constexpr int kPitch = Cfg::kStagePitch;
+  constexpr int kThreadsPerCol = sm90_layout::kBlockRows / 8;  // 8 x 16 bytes per column
+  constexpr int kColsPerPass = kThreads / kThreadsPerCol;
+  const int k8 = tid % kThreadsPerCol;
+  const int H = p.m_rows;
+  for (int col = tid / kThreadsPerCol; col < tile.num_rows; col += kColsPerPass) {
+    const uint4 v = *reinterpret_cast<const uint4*>(stage + col * kPitch + 8 * k8);
+    *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(tile.row0 + col) * H +
+                              mblk * sm90_layout::kBlockRows + 8 * k8) = v;
+  }
 }
 
 template <class Cfg>

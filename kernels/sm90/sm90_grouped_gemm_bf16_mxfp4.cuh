@@ -77,8 +77,49 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   const int num_tiles = sched.total_tiles();
 
   if (wg == Cfg::kNumMathWG) {
-    // ================================ producer ================================
     if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if constexpr (Cfg::kAsyncEpilogue) {
+      if (tid >= 32) {
+        // ============================ epilogue warps ============================
+        // The same tile sequence as the math warpgroups; per tile and math warpgroup w: wait
+        // until w has staged its blocks, finish them, and hand the staging area back (only when
+        // w has another tile, so every arrival is matched by a sync).
+        const int etid = tid - 32;
+        for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+          const TileInfo tile = sched.get(t);
+          const bool has_next = t + static_cast<int>(gridDim.x) < num_tiles;
+#pragma unroll 1
+          for (int w = 0; w < Cfg::kNumMathWG; ++w) {
+            ptx::named_barrier_sync(Cfg::kBarStaged + 2 * w, Cfg::kStageSyncThreads);
+#pragma unroll 1
+            for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+              const int lm = w * Cfg::kMBlocksPerWG + sub;
+              if (lm >= tile.num_m_blocks) break;
+              const int mblk = tile.m_block0 + lm;
+              const uint16_t* blk = smem_stage + static_cast<size_t>(lm) * Cfg::kBlockN * Cfg::kStagePitch;
+              if constexpr (kKind == GemmKind::kL1) {
+                switch (p.activation.kind) {
+                  case ActivationKind::kSwiglu:
+                    finish_l1_block<Cfg, ActivationKind::kSwiglu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                    break;
+                  case ActivationKind::kSitu:
+                    finish_l1_block<Cfg, ActivationKind::kSitu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                    break;
+                  case ActivationKind::kSwigluOai:
+                    finish_l1_block<Cfg, ActivationKind::kSwigluOai, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                    break;
+                }
+              } else {
+                finish_l2_block<Cfg, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+              }
+            }
+            if (has_next) ptx::named_barrier_arrive(Cfg::kBarStageFree + 2 * w, Cfg::kStageSyncThreads);
+          }
+        }
+        return;
+      }
+    }
+    // ================================ producer ================================
     if (threadIdx.x != Cfg::kNumMathWG * Cfg::kWarpgroupThreads) return;
     const uint64_t policy = ptx::policy_evict_first();
     int stage = 0;
@@ -132,6 +173,27 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
                                                   empty_bars, num_k_blocks, wg, tid, stage, phase);
       });
+      if constexpr (Cfg::kAsyncEpilogue) {
+        // Stage this warpgroup's blocks (once the epilogue warps have read the previous tile's)
+        // and go on with the next tile.
+        uint16_t* wg_stage =
+            smem_stage + static_cast<size_t>(wg) * Cfg::kMBlocksPerWG * Cfg::kBlockN * Cfg::kStagePitch;
+        if (t != static_cast<int>(blockIdx.x)) {
+          ptx::named_barrier_sync(Cfg::kBarStageFree + 2 * wg, Cfg::kStageSyncThreads);
+        }
+#pragma unroll
+        for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+          if (!valid[sub]) continue;
+          const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
+          uint16_t* blk = wg_stage + static_cast<size_t>(sub) * Cfg::kBlockN * Cfg::kStagePitch;
+          if constexpr (kKind == GemmKind::kL1) {
+            stage_l1_block<Cfg>(p, tile, mblk, acc[sub], blk, tid);
+          } else {
+            stage_l2_block<Cfg>(p, tile, mblk, acc[sub], blk, tid);
+          }
+        }
+        ptx::named_barrier_arrive(Cfg::kBarStaged + 2 * wg, Cfg::kStageSyncThreads);
+      } else {
 #pragma unroll
       for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
         if (!valid[sub]) continue;
@@ -163,6 +225,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         } else {
           epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
         }
+      }
       }
     }
   }

@@ -225,6 +225,15 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     case GemmTile::kPrefillK2:
       launch_k_staged<PrefillK2Config, PrefillStagedConfig, kKind>(p, b_rows, stream);
       return;
+    case GemmTile::kPrefillAsync:
+      launch_config<PrefillAsyncConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillAsyncK2:
+      launch_k_staged<PrefillAsyncK2Config, PrefillAsyncConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillWideAsync:
+      launch_config<PrefillWideAsyncConfig, kKind>(p, b_rows, stream);
+      return;
     case GemmTile::kPrefillChained:
       launch_config<PrefillChainedConfig, kKind>(p, b_rows, stream);
       return;
@@ -302,6 +311,10 @@ void launch_l2(const L2Args& a, cudaStream_t stream) {
   if (a.max_rows == 0) return;
   MEGAMOE_CHECK_ARG(a.h_act && a.w2 && a.w2_sf && a.out,
                     "launch_l2: h_act, w2, w2_sf, out: expected device pointers, got a null one");
+  // The asynchronous epilogue stores 16 bytes of out at a time (checked for every tile).
+  MEGAMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(a.out) % 16 == 0,
+                    "launch_l2: out: expected a 16-byte aligned pointer, got ",
+                    static_cast<const void*>(a.out));
   MEGAMOE_CHECK_ARG(a.w2_bias == nullptr || a.row_weights != nullptr,
                     "launch_l2: row_weights: expected a device pointer when w2_bias is given");
   GemmParams p;

@@ -72,6 +72,9 @@ enum class GemmTile : int {
   kDecode16X2K2Chained = 23,    // kDecode16X2K2 with the chained mainloop
   kDecode16X2K2x3Chained = 24,  // kDecode16X2K2x3 with the chained mainloop
   kPrefillK2 = 25,           // kPrefillStaged with two k-blocks per stage (3 stages)
+  kPrefillAsync = 26,        // kPrefillStaged with the asynchronous epilogue (5 stages)
+  kPrefillAsyncK2 = 27,      // kPrefillAsync with two k-blocks per stage (2 stages)
+  kPrefillWideAsync = 28,    // kPrefillWideStaged with the asynchronous epilogue
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
   // (17, 18, 20: when K is not a multiple of 128 they run as their one-k-block twins, 13, 15

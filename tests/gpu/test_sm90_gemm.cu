@@ -391,6 +391,9 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kPrefillChained,
                                           sm90::GemmTile::kPrefillChainedK2,
                                           sm90::GemmTile::kPrefillK2,
+                                          sm90::GemmTile::kPrefillAsync,
+                                          sm90::GemmTile::kPrefillAsyncK2,
+                                          sm90::GemmTile::kPrefillWideAsync,
                                           sm90::GemmTile::kDecode16X2K2Chained,
                                           sm90::GemmTile::kDecode16X2K2x3Chained};
 
@@ -605,6 +608,9 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillChained);
         variants.push_back(sm90::GemmTile::kPrefillChainedK2);
         variants.push_back(sm90::GemmTile::kPrefillK2);
+        variants.push_back(sm90::GemmTile::kPrefillAsync);
+        variants.push_back(sm90::GemmTile::kPrefillAsyncK2);
+        variants.push_back(sm90::GemmTile::kPrefillWideAsync);
       }
       for (const sm90::GemmTile tile : variants)
       for (int which = 0; which < 2; ++which) {
