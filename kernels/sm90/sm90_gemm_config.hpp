@@ -82,7 +82,8 @@ struct GemmConfig {
   // accumulators plus the converted A fragments. setmaxnreg works per warpgroup, so with it the
   // producer is a whole warpgroup; without it (decode: several CTAs per SM) one warp.
   // kAsyncEpilogue: the producer warpgroup's warps 1..3 run the epilogue (below) and keep more
-  // registers (2 x 128 x 216 + 128 x 80 = 64 K).
+  // registers. The pool is the launch allocation (168 x 384: the math warpgroups can only grow
+  // by what the producer warpgroup gives back): 2 x 128 x (208 - 168) <= 128 x (168 - 88).
   static constexpr bool kUseSetMaxNReg = kMinBlocksPerSM == 1 && kNumMathWG >= 2;
   static constexpr int kProducerThreads = kUseSetMaxNReg ? kWarpgroupThreads : 32;
   static constexpr int kThreads = kWarpgroupThreads * kNumMathWG + kProducerThreads;
@@ -93,8 +94,8 @@ struct GemmConfig {
   static constexpr int kBarStaged = 3;
   static constexpr int kBarStageFree = 4;
   static constexpr int kStageSyncThreads = kWarpgroupThreads + kEpilogueThreads;
-  static constexpr int kProducerRegs = kAsyncEpilogue ? 80 : 40;
-  static constexpr int kMathRegs = kAsyncEpilogue ? 216 : 232;
+  static constexpr int kProducerRegs = kAsyncEpilogue ? 88 : 40;
+  static constexpr int kMathRegs = kAsyncEpilogue ? 208 : 232;
 
   // Shared memory per stage: B as kKBlocksPerStage boxes of [BLOCK_N rows][64 bf16] (128B-swizzled,
   // kSmemBBoxBytes each); A and SF per weight block m, k-block j of the stage at

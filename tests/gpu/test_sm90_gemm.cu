@@ -465,6 +465,18 @@ TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
   }
 }
 
+// The asynchronous-epilogue tiles on a problem small enough for compute-sanitizer: partial m-
+// and n-tiles, several tiles per CTA (the staging handshake over tile boundaries), bias.
+TEST(ReliabilitySanitize, PrefillAsyncEpilogue) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(512, 320, {0, 1, 7, 64, 0, 200, 3, 130}, true, 14);
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kPrefillAsync, sm90::GemmTile::kPrefillAsyncK2,
+                                    sm90::GemmTile::kPrefillWideAsync}) {
+    run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, true, tile);
+    run_l2_case(p, p.rows, true, tile);
+  }
+}
+
 // More tiles than CTA slots (132 SMs x 4): every CTA runs several tiles, so the pipeline's stage
 // and phase carry over tile boundaries (L1 of the 256-row tile: 8 m-tiles x 96 experts).
 TEST(Sm90GemmOptIn, SeveralTilesPerCta) {
