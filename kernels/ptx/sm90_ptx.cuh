@@ -149,6 +149,24 @@ __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threa
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// BF16x2 of (lo, hi), each rounded to nearest even (cvt.rn: the bits of megamoe::bf16_from_f32
+// for every non-NaN input; NaN gives the canonical NaN, so callers that must keep NaN payloads
+// check isunordered first).
+__device__ __forceinline__ uint32_t cvt_bf16x2_rn(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));  // a -> upper half
+  return d;
+}
+
+// Stores four 8x8 b16 matrices, transposed, from the mma fragment layout (lane l holds row
+// l / 4, columns 2 (l % 4) + {0, 1} of matrix j in register j): row c of the stored matrix j
+// (16 bytes, 16-byte aligned) goes to the address given by lane 8 j + c.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_row_addr, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+               ::"r"(smem_row_addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 __device__ __forceinline__ uint4 ld_shared_v4(const void* p) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -48,9 +48,9 @@ struct GemmParams {
 // kOverlapConvert selects the mainloop (sm90_gemm_mainloop.cuh): false = serial per stage (the
 // validated default), true = the next block's conversion overlaps the current wgmmas, with the
 // one-multiply conversion when the scales allow (opt-in until measured on an H200).
-// kStagedEpilogue (L1 only): the accumulators of one 64-row block go through shared memory and
-// a rolled loop does the activation and requantization with 8/16-byte stores (sm90_gemm_epilogue
-// .cuh, epilogue_l1_staged); opt-in until measured.
+// kStagedEpilogue: the accumulators of one 64-row block go through shared memory (BF16x2 packing,
+// stmatrix) and a rolled loop does the L1 activation and requantization with 8/16-byte stores,
+// or the L2 output rows with 16-byte stores (sm90_gemm_epilogue.cuh, epilogue_l*_staged).
 // kKBlocksPerStage: 64-deep k-blocks per pipeline stage (overlapped mainloop only). A stage of
 // S k-blocks takes one bulk copy of S x 2 KiB per weight block (an m-block's consecutive k-blocks
 // are contiguous in the sm90 layout), one of S x 128 B per scale block and S boxes of B rows, and

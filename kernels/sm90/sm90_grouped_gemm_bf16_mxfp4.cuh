@@ -222,6 +222,8 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
               epilogue_l1<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
               break;
           }
+        } else if constexpr (Cfg::kStagedEpilogue) {
+          epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
         } else {
           epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
         }
