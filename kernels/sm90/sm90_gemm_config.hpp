@@ -59,10 +59,9 @@ struct GemmParams {
 // (the launcher falls back to the one-k-block twin otherwise).
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
-          int kKBlocksPerStage_ = 1, bool kChainBlocks_ = false, bool kAsyncEpilogue_ = false>
+          int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
-  static constexpr bool kChainBlocks = kChainBlocks_;
   static constexpr bool kAsyncEpilogue = kAsyncEpilogue_;
   static constexpr int kKBlocksPerStage = kKBlocksPerStage_;
   static constexpr bool kStagedEpilogue = kStagedEpilogue_;
@@ -140,8 +139,6 @@ struct GemmConfig {
   static_assert(kNumMathWG * 4 <= 15, "named barriers 1..kNumMathWG");
   static_assert(kKBlocksPerStage >= 1 && (kKBlocksPerStage == 1 || kOverlapConvert),
                 "several k-blocks per stage: overlapped mainloop only");
-  static_assert(!kChainBlocks || (kOverlapConvert && kMBlocksPerWG >= 2),
-                "the chained mainloop: overlapped, two or more weight blocks per warpgroup");
   static_assert(!kAsyncEpilogue || (kStagedEpilogue && kOverlapConvert && kMinBlocksPerSM == 1 &&
                                     kNumMathWG == 2),
                 "the asynchronous epilogue: staged, overlapped, one CTA per SM, two math warpgroups");
@@ -213,16 +210,28 @@ using Decode16X2K2Config = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2>;
 //            are 1.45 waves of 528 slots but 1.94 of 396).
 using Decode16X2K2x3Config = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2>;
 using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
-// Chained (kChainBlocks; candidates): the same tiles with the chained mainloop.
-using PrefillChainedConfig = GemmConfig<2, 2, 128, 16, 7, 1, true, true, 1, true>;
-using PrefillChainedK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2, true>;
+//   PrefillK2: the staged 256 x 128 prefill tile with two k-blocks per stage (3 stages of 49 KiB):
+//            kAuto's prefill tile for L1 and L2 outside the PrefillWide range.
+//            NOTES: why: Nsight Compute (Kimi-K3 T = 4096, revision 8708cfb,
+//            bench/results/ncu_*_8708cfb*): the math warps' biggest single stall was the wait on
+//            the full barrier (data not yet landed) and the producer executed 12 % of all
+//            instructions; one barrier round trip and one copy per weight block for two k-blocks
+//            measured 1.02-1.16x (H200, 2dfd19a). A chained mainloop (one register set per weight
+//            block, wait_group 1 between blocks, one drain per stage) measured the same as the
+//            one-drain-per-block loop and was removed: the drains are not the limit.
 using PrefillK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2>;
-// Asynchronous epilogue (candidates): the math warpgroups stage each tile's results in shared
-// memory and go on with the next tile; the producer warpgroup's warps 1..3 finish them.
-using PrefillAsyncConfig = GemmConfig<2, 2, 128, 16, 5, 1, true, true, 1, false, true>;
-using PrefillAsyncK2Config = GemmConfig<2, 2, 128, 16, 2, 1, true, true, 2, false, true>;
-using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, false, true>;
-using Decode16X2K2ChainedConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, true>;
-using Decode16X2K2x3ChainedConfig = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2, true>;
+//   Prefill*Async (kAsyncEpilogue): the math warpgroups stage each tile's results in shared memory
+//            and go on with the next tile; the producer warpgroup's warps 1..3 finish them (L1:
+//            activation and requantization, L2: 16-byte row stores). PrefillWideAsync is kAuto's
+//            L1 tile in the PrefillWide range (1.04-1.09x over PrefillWideStaged); PrefillAsyncK2
+//            is a candidate (best only at Kimi-K3 T = 4096 L1, 1.03x over PrefillK2).
+//            NOTES: why: at Kimi-K3 T = 4096 the L1 epilogue took 29 % of the math warps' time
+//            (ncu, 8708cfb) while the tensor cores idled. Async L2 lost to the staged L2 in the
+//            math warpgroups, and the 256 x 128 async tile with one k-block per stage (5 stages)
+//            lost to PrefillK2: removed.
+//            Stages: PrefillAsyncK2 keeps the whole tile's staging (72 KiB), so 2 stages fit.
+using PrefillAsyncK2Config = GemmConfig<2, 2, 128, 16, 2, 1, true, true, 2, true>;
+using PrefillAsyncK2TwinConfig = GemmConfig<2, 2, 128, 16, 5, 1, true, true, 1, true>;
+using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, true>;
 
 }  // namespace megamoe::sm90

@@ -73,10 +73,7 @@ struct Mainloop {
                                              const uint8_t* smem_sf, uint64_t* full_bars,
                                              uint64_t* empty_bars, int num_k_blocks, int wg,
                                              int tid, int& stage, uint32_t& phase) {
-    if constexpr (Cfg::kChainBlocks) {
-      run_chained<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg, tid,
-                      stage, phase);
-    } else if constexpr (Cfg::kOverlapConvert) {
+    if constexpr (Cfg::kOverlapConvert) {
       run_overlapped<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg,
                          tid, stage, phase);
     } else {
@@ -301,73 +298,6 @@ struct Mainloop {
     }
   }
 
-  // ---- chained mainloop (Cfg::kChainBlocks, two or more weight blocks per warpgroup): one
-  // register set per weight block, and the wgmma groups of consecutive units (k-block j of the
-  // stage, weight block b; in that order) stay in flight while the next unit is converted.
-  // After committing unit u the warpgroup waits until at most kNB - 1 groups are pending, i.e.
-  // unit u + 1 - kNB (the last user of the set unit u + 1 converts into) is done, converts unit
-  // u + 1, and issues it. So the tensor cores always have kNB - 1 groups queued behind the
-  // conversion, where run_overlapped drains them (wait_group 0) after every unit; the chain
-  // drains once per stage, before the stage's buffers are released.
-  // NOTES: no group is in flight over the k-loop back edge (see run_overlapped).
-  template <int kN>
-  __device__ __forceinline__ static void run_chained(
-      float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
-      const uint8_t* smem_sf, uint64_t* full_bars, uint64_t* empty_bars, int num_k_blocks, int wg,
-      int tid, int& stage, uint32_t& phase) {
-    static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "wgmma N");
-    constexpr int kNB = kMBlocksPerWG;
-    static_assert(kNB >= 2, "the chain needs two or more weight blocks per warpgroup");
-    constexpr int kKSub = Cfg::kKBlocksPerStage;
-    const int lm0 = wg * kNB;
-    const int num_k_stages = num_k_blocks / kKSub;
-    BlockFrags frags[kNB];
-    ptx::mbar_wait(&full_bars[stage], phase);
-    load_convert_block(a_block(smem_a, stage, lm0, 0), sf_block(smem_sf, stage, lm0, 0), tid,
-                       frags[0]);
-    for (int ks = 0; ks < num_k_stages; ++ks) {
-      const uint32_t desc_stage = ptx::smem_desc_k128b_lo(smem_b + stage * Cfg::kSmemBBytes);
-      const bool has_next_stage = ks + 1 < num_k_stages;
-      const int next_stage = stage + 1 == Cfg::kNumStages ? 0 : stage + 1;
-      const uint32_t next_phase = stage + 1 == Cfg::kNumStages ? phase ^ 1u : phase;
-#pragma unroll
-      for (int j = 0; j < kKSub; ++j) {
-        uint32_t desc[kSteps];
-#pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-          desc[s] = desc_stage + static_cast<uint32_t>((j * Cfg::kSmemBBoxBytes +
-                                                         s * sm90_layout::kStepK * 2) / 16);
-        }
-        const uint32_t scale_d0 = ks != 0 || j != 0 ? 1u : 0u;
-#pragma unroll
-        for (int b = 0; b < kNB; ++b) {
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int s = 0; s < kSteps; ++s) {
-            ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
-                acc[b], frags[b][s], desc[s], s == 0 ? scale_d0 : 1u);
-          }
-          ptx::wgmma_commit();
-          ptx::wgmma_wait<kNB - 1>();
-          if (b + 1 < kNB) {
-            load_convert_block(a_block(smem_a, stage, lm0 + b + 1, j),
-                               sf_block(smem_sf, stage, lm0 + b + 1, j), tid, frags[b + 1]);
-          } else if (j + 1 < kKSub) {
-            load_convert_block(a_block(smem_a, stage, lm0, j + 1),
-                               sf_block(smem_sf, stage, lm0, j + 1), tid, frags[0]);
-          } else if (has_next_stage) {  // uniform over the warpgroup
-            ptx::mbar_wait(&full_bars[next_stage], next_phase);
-            load_convert_block(a_block(smem_a, next_stage, lm0, 0),
-                               sf_block(smem_sf, next_stage, lm0, 0), tid, frags[0]);
-          }
-        }
-      }
-      ptx::wgmma_wait<0>();  // the stage's groups are done: release its buffers
-      ptx::mbar_arrive(&empty_bars[stage]);
-      stage = next_stage;
-      phase = next_phase;
-    }
-  }
 };
 
 }  // namespace megamoe::sm90

@@ -26,10 +26,9 @@ constexpr int64_t kDecodeMaxAvgRows = 16;
 // prefill tiles ran 14 % (L1) and 12 % (L2) faster than the overlapped 16-row decode tile, at 9
 // (Kimi-K3, T = 512) 15 % slower (H200, revision c68aefa, docs/perf.md).
 constexpr int64_t kDecodeOverlapMaxAvgRows = 12;
-// ... except for the 128-row two-k-block decode tile, which beat the staged prefill tiles at 16
-// average rows (DeepSeek-V3 T = 512: L1 2596 against 2844 us, L2 1280 against 1484; H200,
-// revision 02f5f31, bench/results/gemm_bench_02f5f31.txt): it is used up to 16 when picked.
-constexpr int64_t kDecodeX2MaxAvgRows = 16;
+// (At 16 average rows the 128-row two-k-block decode tile was used until the staged prefill
+// tiles got two k-blocks per stage and the stmatrix epilogues: PrefillK2 then beat it 1.18x (L1)
+// and 1.20x (L2) at DeepSeek-V3 T = 512; H200, revision 59c5d80.)
 // The 128-row decode tile (Decode16X2Overlap) is used when its tiles cover at least 3/4 of the
 // CTA slots (SMs x 4): on the H200 (revision c2f4f9b) it streamed weights 1.1-1.2x faster than
 // the 64-row tile from T = 8 up, and at T = 1 whenever it had enough tiles (Kimi-K3 L1: 512
@@ -57,9 +56,15 @@ double wave_fill(int64_t tiles, int64_t slots) {
 constexpr int64_t kDecodeFillNum = 3, kDecodeFillDen = 4;
 // At or below 4 average rows, 8-row tiles (half the B bytes per stage; most experts get 1-3 rows).
 constexpr int64_t kDecode8MaxAvgRows = 4;
-// Average rows in (112, 166] (overlapped configs only): the 128 x 192 tiles (PrefillWide) hold an expert's rows in one
-// n-tile (uniform routing spreads counts by ~sqrt(avg), so ~1.15 x avg stays within 192) where
-// 256 x 128 tiles would split most experts into 128 + a small remainder.
+// Average rows in (112, 166] (overlapped configs only): the 128 x 192 tiles (PrefillWide) hold an
+// expert's rows in one n-tile (uniform routing spreads counts by ~sqrt(avg), so ~1.15 x avg stays
+// within 192) where 256 x 128 tiles would split most experts into 128 + a small remainder.
+// L1 runs the asynchronous epilogue there (PrefillWideAsync: 1.04x at Kimi-K3 T = 8192, 1.09x at
+// DeepSeek-V3 T = 4096 over PrefillWideStaged), L2 the staged epilogue in the math warpgroups
+// (PrefillWideStaged: 1.08x faster than the async tile at Kimi-K3 T = 8192, 0.94x at DeepSeek-V3
+// T = 4096). Outside that range both GEMMs run PrefillK2 (256 x 128, two k-blocks per stage):
+// 1.09-1.36x over the former PrefillStaged (L1) / PrefillOverlap (L2) picks at T >= 4096 (H200,
+// revision 59c5d80, bench/results/gemm_bench_59c5d80.txt).
 constexpr int64_t kWideMinAvgRows = 112;
 constexpr int64_t kWideMaxAvgRows = 166;
 
@@ -173,12 +178,10 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
       tile = overlap ? decode_overlap : GemmTile::kDecode8;
     } else if (avg <= (overlap ? kDecodeOverlapMaxAvgRows : kDecodeMaxAvgRows)) {
       tile = overlap ? decode_overlap : GemmTile::kDecode16;
-    } else if (overlap && avg <= kDecodeX2MaxAvgRows && decode_overlap != GemmTile::kDecode16Overlap) {
-      tile = decode_overlap;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
-      tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillWideStaged : GemmTile::kPrefillWideOverlap;
+      tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillWideAsync : GemmTile::kPrefillWideStaged;
     } else if (overlap) {
-      tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillStaged : GemmTile::kPrefillOverlap;
+      tile = GemmTile::kPrefillK2;
     } else {
       tile = GemmTile::kPrefill;
     }
@@ -225,26 +228,11 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     case GemmTile::kPrefillK2:
       launch_k_staged<PrefillK2Config, PrefillStagedConfig, kKind>(p, b_rows, stream);
       return;
-    case GemmTile::kPrefillAsync:
-      launch_config<PrefillAsyncConfig, kKind>(p, b_rows, stream);
-      return;
     case GemmTile::kPrefillAsyncK2:
-      launch_k_staged<PrefillAsyncK2Config, PrefillAsyncConfig, kKind>(p, b_rows, stream);
+      launch_k_staged<PrefillAsyncK2Config, PrefillAsyncK2TwinConfig, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kPrefillWideAsync:
       launch_config<PrefillWideAsyncConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillChained:
-      launch_config<PrefillChainedConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillChainedK2:
-      launch_k_staged<PrefillChainedK2Config, PrefillChainedConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X2K2Chained:
-      launch_k_staged<Decode16X2K2ChainedConfig, Decode16X2OverlapConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X2K2x3Chained:
-      launch_k_staged<Decode16X2K2x3ChainedConfig, Decode16X2Overlap3Config, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:

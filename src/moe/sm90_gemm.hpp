@@ -67,18 +67,16 @@ enum class GemmTile : int {
   kDecode16X2K2 = 17,        // kDecode16X2Overlap with two k-blocks per pipeline stage
   kDecode16X4K2 = 18,        // kDecode16X4Overlap with two k-blocks per pipeline stage
   kDecode16X2K2x3 = 20,      // kDecode16X2K2 with 3 CTAs per SM and 5 stages
-  kPrefillChained = 21,      // kPrefillStaged with the chained mainloop
-  kPrefillChainedK2 = 22,    // kPrefillChained with two k-blocks per stage (3 stages)
-  kDecode16X2K2Chained = 23,    // kDecode16X2K2 with the chained mainloop
-  kDecode16X2K2x3Chained = 24,  // kDecode16X2K2x3 with the chained mainloop
+  // 21-24 were chained-mainloop tiles (prefill and decode), removed: no faster than their
+  // overlapped twins (H200, 04ab6b1).
   kPrefillK2 = 25,           // kPrefillStaged with two k-blocks per stage (3 stages)
-  kPrefillAsync = 26,        // kPrefillStaged with the asynchronous epilogue (5 stages)
-  kPrefillAsyncK2 = 27,      // kPrefillAsync with two k-blocks per stage (2 stages)
+  // 26 was kPrefillStaged with the asynchronous epilogue (5 stages), removed: slower than 25.
+  kPrefillAsyncK2 = 27,      // kPrefillK2 with the asynchronous epilogue (2 stages)
   kPrefillWideAsync = 28,    // kPrefillWideStaged with the asynchronous epilogue
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
-  // (17, 18, 20: when K is not a multiple of 128 they run as their one-k-block twins, 13, 15
-  // and 16)
+  // (17, 18, 20, 25, 27: when K is not a multiple of 128 they run as their one-k-block twins, 13,
+  // 15, 16, 9 and the 5-stage async 256 x 128 tile)
 };
 
 struct L1Args {

@@ -382,20 +382,15 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kDecode16X2K2x3,
     sm90::GemmTile::kDecode16X2Overlap,   // kDecode16X2K2's twin when K % 128 != 0
     sm90::GemmTile::kDecode16X2Overlap3,  // kDecode16X2K2x3's twin
-    sm90::GemmTile::kPrefillOverlap, sm90::GemmTile::kPrefillWideOverlap,
-    sm90::GemmTile::kPrefillStaged, sm90::GemmTile::kPrefillWideStaged,
+    sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillWideAsync,
+    sm90::GemmTile::kPrefillStaged,  // kPrefillK2's twin when K % 128 != 0
+    sm90::GemmTile::kPrefillWideStaged, sm90::GemmTile::kPrefillOverlap,
+    sm90::GemmTile::kPrefillWideOverlap,
     sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16, sm90::GemmTile::kPrefill};
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
-                                          sm90::GemmTile::kPrefillChained,
-                                          sm90::GemmTile::kPrefillChainedK2,
-                                          sm90::GemmTile::kPrefillK2,
-                                          sm90::GemmTile::kPrefillAsync,
-                                          sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillWideAsync,
-                                          sm90::GemmTile::kDecode16X2K2Chained,
-                                          sm90::GemmTile::kDecode16X2K2x3Chained};
+                                          sm90::GemmTile::kPrefillAsyncK2};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -457,21 +452,21 @@ TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {3, 0, 9, 1}, false, 13);
   for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2, sm90::GemmTile::kDecode16X2K2x3,
-                                    sm90::GemmTile::kDecode16X4K2,
-                                    sm90::GemmTile::kDecode16X2K2Chained,
-                                    sm90::GemmTile::kDecode16X2K2x3Chained}) {
+                                    sm90::GemmTile::kDecode16X4K2}) {
     run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
     run_l2_case(p, p.rows, false, tile);
   }
 }
 
-// The asynchronous-epilogue tiles on a problem small enough for compute-sanitizer: partial m-
-// and n-tiles, several tiles per CTA (the staging handshake over tile boundaries), bias.
-TEST(ReliabilitySanitize, PrefillAsyncEpilogue) {
+// The staged-epilogue prefill tiles (stmatrix staging; the asynchronous epilogue's handshake
+// over tile boundaries) on a problem small enough for compute-sanitizer: partial m- and n-tiles,
+// several tiles per CTA, bias; K = 320 runs the two-k-block tiles as their twins.
+TEST(ReliabilitySanitize, PrefillStagedEpilogues) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 320, {0, 1, 7, 64, 0, 200, 3, 130}, true, 14);
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kPrefillAsync, sm90::GemmTile::kPrefillAsyncK2,
-                                    sm90::GemmTile::kPrefillWideAsync}) {
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillAsyncK2,
+                                    sm90::GemmTile::kPrefillWideAsync,
+                                    sm90::GemmTile::kPrefillWideStaged}) {
     run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, true, tile);
     run_l2_case(p, p.rows, true, tile);
   }
@@ -609,18 +604,13 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X2K2);
         variants.push_back(sm90::GemmTile::kDecode16X4K2);
         variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
-        variants.push_back(sm90::GemmTile::kDecode16X2K2Chained);
-        variants.push_back(sm90::GemmTile::kDecode16X2K2x3Chained);
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
         variants.push_back(sm90::GemmTile::kPrefillWideOverlap);
         variants.push_back(sm90::GemmTile::kPrefillStaged);
         variants.push_back(sm90::GemmTile::kPrefillWideStaged);
-        variants.push_back(sm90::GemmTile::kPrefillChained);
-        variants.push_back(sm90::GemmTile::kPrefillChainedK2);
         variants.push_back(sm90::GemmTile::kPrefillK2);
-        variants.push_back(sm90::GemmTile::kPrefillAsync);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2);
         variants.push_back(sm90::GemmTile::kPrefillWideAsync);
       }
