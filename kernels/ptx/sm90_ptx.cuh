@@ -158,6 +158,22 @@ __device__ __forceinline__ uint32_t cvt_bf16x2_rn(float lo, float hi) {
   return d;
 }
 
+// E4M3x2 of (lo, hi) (lo in the low byte), round to nearest even, finite values beyond 448 and
+// +-Inf saturated to +-448: the codes of megamoe::e4m3_from_f32 for every non-NaN input.
+__device__ __forceinline__ uint16_t cvt_e4m3x2_satfinite(float lo, float hi) {
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));  // a -> upper byte
+  return d;
+}
+
+// The two E4M3 codes of q (low byte first) as FP32 values (exact: E4M3 -> F16 -> F32).
+__device__ __forceinline__ void e4m3x2_to_f32x2(uint16_t q, float& lo, float& hi) {
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(q));
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(lo), "=f"(hi) : "r"(h2));
+}
+
 // Stores four 8x8 b16 matrices, transposed, from the mma fragment layout (lane l holds row
 // l / 4, columns 2 (l % 4) + {0, 1} of matrix j in register j): row c of the stored matrix j
 // (16 bytes, 16-byte aligned) goes to the address given by lane 8 j + c.

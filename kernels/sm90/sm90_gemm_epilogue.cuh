@@ -223,14 +223,20 @@ __device__ __forceinline__ void finish_l1_block(const GemmParams& p, const TileI
     amax = fmaxf(amax, __shfl_xor_sync(mask, amax, 2));
     const int b = intermediate_scale_exponent(amax);
     const float unscale = exp2i(b - kUe8m0Bias);
+    // e4m3_quantize_scaled and bf16_from_f32(e4m3_to_f32(q) * unscale) two elements at a time
+    // with the conversion instructions (the same codes and bits: round to nearest even, 448
+    // saturation, exact decode; NaN here is the canonical NaN of GPU arithmetic, see
+    // docs/numerics.md).
+    const float scale = exp2i(kUe8m0Bias - b);
     uint32_t q_words[2] = {0u, 0u};
-    uint32_t act_words[4] = {0u, 0u, 0u, 0u};
+    uint32_t act_words[4];
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) {
-      const uint8_t q = e4m3_quantize_scaled(v[e], b);
-      const uint16_t a = bf16_from_f32(e4m3_to_f32(q) * unscale);
-      q_words[e / 4] |= static_cast<uint32_t>(q) << (8 * (e % 4));
-      act_words[e / 2] |= static_cast<uint32_t>(a) << (16 * (e % 2));
+    for (int e = 0; e < kChunk; e += 2) {
+      const uint16_t q2 = ptx::cvt_e4m3x2_satfinite(v[e] * scale, v[e + 1] * scale);
+      float d0, d1;
+      ptx::e4m3x2_to_f32x2(q2, d0, d1);
+      act_words[e / 2] = ptx::cvt_bf16x2_rn(d0 * unscale, d1 * unscale);
+      q_words[e / 4] |= static_cast<uint32_t>(q2) << (16 * ((e / 2) % 2));
     }
     const int64_t base = row * I + j0;
     *reinterpret_cast<uint2*>(p.h_q + base) = make_uint2(q_words[0], q_words[1]);
@@ -256,13 +262,14 @@ __device__ __forceinline__ void epilogue_l1_staged(const GemmParams& p, const Ti
 // bias)) of its block to shared memory ([col][kStagePitch], output channel r of the block at
 // index r; the same expression as epilogue_l2), the epilogue warps copy each column's 64 values
 // (128 bytes) to out with 16-byte stores.
-template <class Cfg>
+// kWithBias = false: only for launches without a bias (the caller checks).
+template <class Cfg, bool kWithBias = true>
 __device__ __forceinline__ void stage_l2_block(const GemmParams& p, const TileInfo& tile, int mblk,
                                                const float (&acc)[Cfg::kBlockN / 2],
                                                uint16_t* stage, int tid) {
   const int warp = tid / 32, g = (tid % 32) / 4;
   const int H = p.m_rows;
-  if (p.bias != nullptr) {
+  if (kWithBias && p.bias != nullptr) {
     float bias[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -294,14 +301,16 @@ __device__ __forceinline__ void finish_l2_block(const GemmParams& p, const TileI
   }
 }
 
-// Staged L2 epilogue in the math warpgroup (Cfg::kStagedEpilogue without kAsyncEpilogue): the
-// same values through shared memory, stored 16 bytes at a time (named barrier 1 + wg).
+// Staged L2 epilogue in the math warpgroup (Cfg::kStagedEpilogue without kAsyncEpilogue), for
+// launches without a bias: the same values through shared memory, stored 16 bytes at a time
+// (named barrier 1 + wg). (With a bias the kernel runs epilogue_l2: staging row weight x bias
+// per column next to the accumulators spilled.)
 template <class Cfg>
 __device__ __forceinline__ void epilogue_l2_staged(const GemmParams& p, const TileInfo& tile,
                                                    int mblk, const float (&acc)[Cfg::kBlockN / 2],
                                                    uint16_t* smem_stage, int wg, int tid) {
   uint16_t* stage = smem_stage + static_cast<size_t>(wg) * Cfg::kBlockN * Cfg::kStagePitch;
-  stage_l2_block<Cfg>(p, tile, mblk, acc, stage, tid);
+  stage_l2_block<Cfg, false>(p, tile, mblk, acc, stage, tid);
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
   finish_l2_block<Cfg, Cfg::kWarpgroupThreads>(p, tile, mblk, stage, tid);
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // the staging area is reused next

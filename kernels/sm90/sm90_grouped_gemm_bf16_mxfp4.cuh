@@ -223,7 +223,11 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
               break;
           }
         } else if constexpr (Cfg::kStagedEpilogue) {
-          epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+          if (p.bias == nullptr) {
+            epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+          } else {
+            epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
+          }
         } else {
           epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
         }
