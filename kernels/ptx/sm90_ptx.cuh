@@ -150,8 +150,7 @@ __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threa
 }
 
 // BF16x2 of (lo, hi), each rounded to nearest even (cvt.rn: the bits of megamoe::bf16_from_f32
-// for every non-NaN input; NaN gives the canonical NaN, so callers that must keep NaN payloads
-// check isunordered first).
+// for every non-NaN input; NaN gives the canonical NaN 0x7FFF, docs/numerics.md).
 __device__ __forceinline__ uint32_t cvt_bf16x2_rn(float lo, float hi) {
   uint32_t d;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));  // a -> upper half

@@ -118,7 +118,8 @@ __device__ __forceinline__ void epilogue_l1(const GemmParams& p, const TileInfo&
 //      and one 8-byte h_q store and one 16-byte h_act store per thread (h_sf by k4 == 0).
 // epilogue_l1_staged runs both in the math warpgroup (named barrier 1 + wg); with
 // Cfg::kAsyncEpilogue the math warpgroup runs step 1 and the epilogue warps step 2 (the kernel).
-// Writes one m64 x N accumulator block, plus bias_row[hh] (hh = 0: rows g, 1: rows g + 8 of the
+
+// stage_block_bf16 writes one m64 x N accumulator block, plus bias_row[hh] (hh = 0: rows g, 1: rows g + 8 of the
 // warp's 16), rounded to BF16, to stage[col][kStagePitch] (weight row r of the block at index
 // r), with BF16x2 packing and stmatrix.trans (8 x 8 blocks: token columns 8 i..8 i + 7 x rows
 // 16 w + 8 hh..+7): the bits of bf16_from_f32 for every non-NaN value. A NaN becomes the
@@ -258,10 +259,11 @@ __device__ __forceinline__ void epilogue_l1_staged(const GemmParams& p, const Ti
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // the staging area is reused next
 }
 
-// Staged L2 epilogue (Cfg::kAsyncEpilogue): the math warpgroup writes bf16(acc (+ row_weight *
-// bias)) of its block to shared memory ([col][kStagePitch], output channel r of the block at
-// index r; the same expression as epilogue_l2), the epilogue warps copy each column's 64 values
-// (128 bytes) to out with 16-byte stores.
+// Staged L2 epilogue: stage_l2_block writes bf16(acc (+ row_weight * bias)) of the block to shared
+// memory ([col][kStagePitch], output channel r of the block at index r; the same expression as
+// epilogue_l2), finish_l2_block copies each column's 64 values (128 bytes) to out with 16-byte
+// stores: both in the math warpgroup (epilogue_l2_staged) or, with Cfg::kAsyncEpilogue, the
+// second in the epilogue warps.
 // kWithBias = false: only for launches without a bias (the caller checks).
 template <class Cfg, bool kWithBias = true>
 __device__ __forceinline__ void stage_l2_block(const GemmParams& p, const TileInfo& tile, int mblk,

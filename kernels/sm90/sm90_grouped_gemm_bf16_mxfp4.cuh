@@ -10,7 +10,10 @@
 //                             one 1D bulk copy per 64-row weight block (S x 2 KiB), one per scale
 //                             block (S x 128 B) and S 2D TMA boxes of B rows;
 //   math warpgroups:          convert + wgmma (sm90_gemm_mainloop.cuh), then the epilogue of
-//                             the GEMM kind (sm90_gemm_epilogue.cuh).
+//                             the GEMM kind (sm90_gemm_epilogue.cuh); with Cfg::kAsyncEpilogue
+//                             only its first half (results staged in shared memory), the
+//                             producer warpgroup's warps 1..3 doing the rest while the math
+//                             warpgroups run the next tile.
 // Stages are guarded by full (TMA transaction bytes) and empty (one arrive per math thread)
 // mbarriers.
 #pragma once
@@ -34,6 +37,17 @@ __device__ __forceinline__ void dispatch_n(int n, F&& f) {
   } else {
     if (n <= kN) f(std::integral_constant<int, kN>{});
     else dispatch_n<kStep, kMax, kN + kStep>(n, f);
+  }
+}
+
+// Calls f(std::integral_constant<ActivationKind, K>) with K = kind: the epilogues take the
+// activation as a template argument (one activation's code per unrolled loop).
+template <class F>
+__device__ __forceinline__ void with_activation(ActivationKind kind, F&& f) {
+  switch (kind) {
+    case ActivationKind::kSwiglu: f(std::integral_constant<ActivationKind, ActivationKind::kSwiglu>{}); break;
+    case ActivationKind::kSitu: f(std::integral_constant<ActivationKind, ActivationKind::kSitu>{}); break;
+    case ActivationKind::kSwigluOai: f(std::integral_constant<ActivationKind, ActivationKind::kSwigluOai>{}); break;
   }
 }
 
@@ -98,17 +112,9 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
               const int mblk = tile.m_block0 + lm;
               const uint16_t* blk = smem_stage + static_cast<size_t>(lm) * Cfg::kBlockN * Cfg::kStagePitch;
               if constexpr (kKind == GemmKind::kL1) {
-                switch (p.activation.kind) {
-                  case ActivationKind::kSwiglu:
-                    finish_l1_block<Cfg, ActivationKind::kSwiglu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                    break;
-                  case ActivationKind::kSitu:
-                    finish_l1_block<Cfg, ActivationKind::kSitu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                    break;
-                  case ActivationKind::kSwigluOai:
-                    finish_l1_block<Cfg, ActivationKind::kSwigluOai, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                    break;
-                }
+                with_activation(p.activation.kind, [&](auto act) {
+                  finish_l1_block<Cfg, decltype(act)::value, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                });
               } else {
                 finish_l2_block<Cfg, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
               }
@@ -195,43 +201,27 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         ptx::named_barrier_arrive(Cfg::kBarStaged + 2 * wg, Cfg::kStageSyncThreads);
       } else {
 #pragma unroll
-      for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
-        if (!valid[sub]) continue;
-        const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
-        if constexpr (kKind == GemmKind::kL1 && Cfg::kStagedEpilogue) {
-          switch (p.activation.kind) {
-            case ActivationKind::kSwiglu:
-              epilogue_l1_staged<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-              break;
-            case ActivationKind::kSitu:
-              epilogue_l1_staged<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-              break;
-            case ActivationKind::kSwigluOai:
-              epilogue_l1_staged<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-              break;
-          }
-        } else if constexpr (kKind == GemmKind::kL1) {
-          switch (p.activation.kind) {
-            case ActivationKind::kSwiglu:
-              epilogue_l1<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-              break;
-            case ActivationKind::kSitu:
-              epilogue_l1<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-              break;
-            case ActivationKind::kSwigluOai:
-              epilogue_l1<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-              break;
-          }
-        } else if constexpr (Cfg::kStagedEpilogue) {
-          if (p.bias == nullptr) {
-            epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+        for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+          if (!valid[sub]) continue;
+          const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
+          if constexpr (kKind == GemmKind::kL1 && Cfg::kStagedEpilogue) {
+            with_activation(p.activation.kind, [&](auto act) {
+              epilogue_l1_staged<Cfg, decltype(act)::value>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+            });
+          } else if constexpr (kKind == GemmKind::kL1) {
+            with_activation(p.activation.kind, [&](auto act) {
+              epilogue_l1<Cfg, decltype(act)::value>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+            });
+          } else if constexpr (Cfg::kStagedEpilogue) {
+            if (p.bias == nullptr) {
+              epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+            } else {
+              epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
+            }
           } else {
             epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
           }
-        } else {
-          epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
         }
-      }
       }
     }
   }
