@@ -40,17 +40,6 @@ __device__ __forceinline__ void dispatch_n(int n, F&& f) {
   }
 }
 
-// Calls f(std::integral_constant<ActivationKind, K>) with K = kind: the epilogues take the
-// activation as a template argument (one activation's code per unrolled loop).
-template <class F>
-__device__ __forceinline__ void with_activation(ActivationKind kind, F&& f) {
-  switch (kind) {
-    case ActivationKind::kSwiglu: f(std::integral_constant<ActivationKind, ActivationKind::kSwiglu>{}); break;
-    case ActivationKind::kSitu: f(std::integral_constant<ActivationKind, ActivationKind::kSitu>{}); break;
-    case ActivationKind::kSwigluOai: f(std::integral_constant<ActivationKind, ActivationKind::kSwigluOai>{}); break;
-  }
-}
-
 template <class Cfg, GemmKind kKind>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
@@ -112,9 +101,17 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
               const int mblk = tile.m_block0 + lm;
               const uint16_t* blk = smem_stage + static_cast<size_t>(lm) * Cfg::kBlockN * Cfg::kStagePitch;
               if constexpr (kKind == GemmKind::kL1) {
-                with_activation(p.activation.kind, [&](auto act) {
-                  finish_l1_block<Cfg, decltype(act)::value, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                });
+                switch (p.activation.kind) {
+                  case ActivationKind::kSwiglu:
+                    finish_l1_block<Cfg, ActivationKind::kSwiglu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                    break;
+                  case ActivationKind::kSitu:
+                    finish_l1_block<Cfg, ActivationKind::kSitu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                    break;
+                  case ActivationKind::kSwigluOai:
+                    finish_l1_block<Cfg, ActivationKind::kSwigluOai, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                    break;
+                }
               } else {
                 finish_l2_block<Cfg, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
               }
@@ -205,13 +202,29 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
           if (!valid[sub]) continue;
           const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
           if constexpr (kKind == GemmKind::kL1 && Cfg::kStagedEpilogue) {
-            with_activation(p.activation.kind, [&](auto act) {
-              epilogue_l1_staged<Cfg, decltype(act)::value>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-            });
+            switch (p.activation.kind) {
+              case ActivationKind::kSwiglu:
+                epilogue_l1_staged<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+                break;
+              case ActivationKind::kSitu:
+                epilogue_l1_staged<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+                break;
+              case ActivationKind::kSwigluOai:
+                epilogue_l1_staged<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+                break;
+            }
           } else if constexpr (kKind == GemmKind::kL1) {
-            with_activation(p.activation.kind, [&](auto act) {
-              epilogue_l1<Cfg, decltype(act)::value>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-            });
+            switch (p.activation.kind) {
+              case ActivationKind::kSwiglu:
+                epilogue_l1<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+                break;
+              case ActivationKind::kSitu:
+                epilogue_l1<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+                break;
+              case ActivationKind::kSwigluOai:
+                epilogue_l1<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+                break;
+            }
           } else if constexpr (Cfg::kStagedEpilogue) {
             if (p.bias == nullptr) {
               epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
