@@ -384,8 +384,8 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kDecode16X2Overlap3,  // kDecode16X2K2x3's twin
     sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillWideAsync,
     sm90::GemmTile::kPrefillStaged,  // kPrefillK2's twin when K % 128 != 0
-    sm90::GemmTile::kPrefillWideStaged, sm90::GemmTile::kPrefillOverlap,
-    sm90::GemmTile::kPrefillWideOverlap,
+    sm90::GemmTile::kPrefillWideStaged,
+    sm90::GemmTile::kPrefillOverlap, sm90::GemmTile::kPrefillWideOverlap,  // kAuto's before v6
     sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16, sm90::GemmTile::kPrefill};
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
                                           sm90::GemmTile::kDecode16X4Overlap,
