@@ -216,7 +216,7 @@ using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
 //            bench/results/ncu_*_8708cfb*): the math warps' biggest single stall was the wait on
 //            the full barrier (data not yet landed) and the producer executed 12 % of all
 //            instructions; one barrier round trip and one copy per weight block for two k-blocks
-//            measured 1.02-1.16x (H200, 2dfd19a). A chained mainloop (one register set per weight
+//            measured 1.08-1.32x over PrefillStaged (H200, 8708cfb). A chained mainloop (one register set per weight
 //            block, wait_group 1 between blocks, one drain per stage) measured the same as the
 //            one-drain-per-block loop and was removed: the drains are not the limit.
 using PrefillK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2>;
