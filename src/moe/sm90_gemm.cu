@@ -63,7 +63,7 @@ constexpr int64_t kDecode8MaxAvgRows = 4;
 // DeepSeek-V3 T = 4096 over PrefillWideStaged), L2 the staged epilogue in the math warpgroups
 // (PrefillWideStaged: 1.08x faster than the async tile at Kimi-K3 T = 8192, 0.94x at DeepSeek-V3
 // T = 4096). Outside that range both GEMMs run PrefillK2 (256 x 128, two k-blocks per stage):
-// 1.09-1.36x over the former PrefillStaged (L1) / PrefillOverlap (L2) picks at T >= 4096 (H200,
+// 1.07-1.36x over the former PrefillStaged (L1) / PrefillOverlap (L2) picks at T >= 4096 (H200,
 // revision 59c5d80, bench/results/gemm_bench_59c5d80.txt).
 constexpr int64_t kWideMinAvgRows = 112;
 constexpr int64_t kWideMaxAvgRows = 166;
