@@ -133,10 +133,12 @@ for step in $STEPS; do
     timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 --git-rev "$(cat REVISION 2>/dev/null || echo unknown)" \
       --json "$OUT/layer_default.jsonl" >"$OUT/layer_default.txt" 2>&1
     echo "exit $?" >>"$OUT/layer_default.txt"
-    [ "${LAYERBENCH_SERIAL:-1}" = 1 ] && MEGAMOE_SM90_GEMM_OVERLAP=0 timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 \
-      --git-rev "$(cat REVISION 2>/dev/null || echo unknown)-serial" --json "$OUT/layer_serial.jsonl" \
-      >"$OUT/layer_serial.txt" 2>&1
-    echo "exit $?" >>"$OUT/layer_serial.txt"
+    if [ "${LAYERBENCH_SERIAL:-1}" = 1 ]; then
+      MEGAMOE_SM90_GEMM_OVERLAP=0 timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 \
+        --git-rev "$(cat REVISION 2>/dev/null || echo unknown)-serial" --json "$OUT/layer_serial.jsonl" \
+        >"$OUT/layer_serial.txt" 2>&1
+      echo "exit $?" >>"$OUT/layer_serial.txt"
+    fi
     tail -n 2 "$OUT/layer_default.txt" "$OUT/layer_serial.txt" >>"$LOG" 2>/dev/null ;;
   ncu)
     # Where the GEMMs' time goes: the first NCU_COUNT (default 2: L1 and L2) grouped-GEMM launches
