@@ -146,11 +146,11 @@ for step in $STEPS; do
     # kimi-k3:64; TILE: a GemmTile number forced with MEGAMOE_SM90_GEMM_TILE).
     # NCU_FULL=1: the full section set plus per-instruction (SASS) samples; the details in $OUT,
     # the source page summarized by bench/ncu_sass_summary.py and kept gzipped.
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     for run in ${NCU_RUNS:-kimi-k3:64}; do
       IFS=: read -r shape nt ftile <<<"$run"
       tag="${shape}_t${nt}${ftile:+_tile$ftile}"
       say "nsight compute on the GEMMs ($tag)"
-      NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
       if [ "${NCU_FULL:-0}" = 1 ]; then
         MEGAMOE_SM90_GEMM_TILE=${ftile:-0} timeout 200 "$NCU" -k regex:grouped_gemm \
           --launch-count "${NCU_COUNT:-2}" --set full --import-source no -f -o "/tmp/ncu_$tag" \

@@ -88,13 +88,15 @@ struct GemmConfig {
   static constexpr int kThreads = kWarpgroupThreads * kNumMathWG + kProducerThreads;
   static constexpr int kEpilogueThreads = kAsyncEpilogue ? kWarpgroupThreads - 32 : 0;
   // Named barriers of the asynchronous epilogue, per math warpgroup w: kBarStaged + 2w (the
-  // warpgroup's tile is in shared memory) and kBarStageFree + 2w (the epilogue warps have read it).
-  // (1 + w are the staged epilogue's own warpgroup barriers.)
-  static constexpr int kBarStaged = 3;
-  static constexpr int kBarStageFree = 4;
+  // warpgroup's tile is in shared memory) and kBarStageFree + 2w (the epilogue warps have read it),
+  // after 1 + w, the staged epilogue's own warpgroup barriers.
+  static constexpr int kBarStaged = 1 + kNumMathWG;
+  static constexpr int kBarStageFree = kBarStaged + 1;
   static constexpr int kStageSyncThreads = kWarpgroupThreads + kEpilogueThreads;
   static constexpr int kProducerRegs = kAsyncEpilogue ? 88 : 40;
   static constexpr int kMathRegs = kAsyncEpilogue ? 208 : 232;
+  // The launch allocation per thread (65536 registers over the CTA, in units of 8).
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
 
   // Shared memory per stage: B as kKBlocksPerStage boxes of [BLOCK_N rows][64 bf16] (128B-swizzled,
   // kSmemBBoxBytes each); A and SF per weight block m, k-block j of the stage at
@@ -136,6 +138,13 @@ struct GemmConfig {
   static_assert(kOffStage % 16 == 0, "staging rows are read 16 bytes at a time");
   static_assert(kOffA % 1024 == 0 && kOffSf % 16 == 0 && kOffBars % 8 == 0,
                 "bulk copy destinations 16-aligned, barriers 8-aligned");
+  static_assert(!kAsyncEpilogue || kBarStageFree + 2 * (kNumMathWG - 1) <= 15,
+                "named barriers 1..kNumMathWG, then two per math warpgroup");
+  static_assert(!kUseSetMaxNReg || kNumMathWG * (kMathRegs - kLaunchRegs) <=
+                                       kLaunchRegs - kProducerRegs,
+                "setmaxnreg: the math warpgroups can only take what the producer warpgroup gives "
+                "back (a larger request never completes: the first async version failed its "
+                "launch)");
   static_assert(kNumMathWG * 4 <= 15, "named barriers 1..kNumMathWG");
   static_assert(kKBlocksPerStage >= 1 && (kKBlocksPerStage == 1 || kOverlapConvert),
                 "several k-blocks per stage: overlapped mainloop only");
