@@ -10,11 +10,12 @@
 //   -> blocks [M/64 (mb)][K/64 (kb)], each 2048 bytes = 128 threads x 16 bytes
 //      thread (0..127) = 32 * warp + 4 * g + t  (warp of the warpgroup, g = lane/4, t = lane%4)
 //      its 16 bytes = 4 words, word s = the k16 step s of the block (k = 64 kb + 16 s + ...)
-//      word s holds 8 nibbles; nibble n = i + 4 e is element e (0/1) of A register i (0..3):
+//      word s holds the 8 E2M1 codes of the thread's 4 A registers i (0..3), elements e (0/1):
 //         register i: row  16 warp + g + 8 (i & 1)      (wgmma A fragment, m64k16 bf16)
 //                     cols 16 s + 2 t + 8 (i >> 1) + e
-//      so register i's two BF16 halves come from nibbles i (bits 4i..4i+3) and i+4
-//      (bits 16+4i..19+4i): a shift and two masks place both at their BF16 bit positions.
+//      with the code bits scattered over the word so that one shift (or rotation) and one mask
+//      put each register's sign and magnitude bits at their BF16 positions (decode_word_bits,
+//      the bit table is in docs/layouts-sm90.md).
 //   scales [M/64][K/64], each 128 bytes: byte 4 (8 warp + g) + 2 half + j = scale of
 //      row 16 warp + g + 8 half, k group 2 kb + j. A thread reads its 4 scale bytes as one word.
 //
@@ -73,7 +74,7 @@ MEGAMOE_HD int64_t canonical_row(bool interleave, int64_t p, int64_t intermediat
 // Word-level description: prepared word index -> the 4 canonical bytes it is built from.
 // Word index within one expert's matrix: ((mb * KB + kb) * 128 + thread) * 4 + s, KB = K / 64.
 // Canonical byte (row, k/2) holds k (low nibble) and k+1 (high nibble): elements e = 0, 1 of one
-// A register, so prepared word = sum_i lo(byte_i) << 4i | hi(byte_i) << (16 + 4i).
+// A register.
 // ---------------------------------------------------------------------------------------------
 struct WordSource {
   int64_t row[4];        // canonical row of register i
@@ -99,17 +100,72 @@ MEGAMOE_HD WordSource word_source(int64_t word, int64_t cols, bool interleave,
   return src;
 }
 
-MEGAMOE_HD uint32_t pack_word(const uint8_t bytes[4]) {
-  uint32_t w = 0;
-  for (int i = 0; i < 4; ++i) {
-    w |= static_cast<uint32_t>(bytes[i] & 0xF) << (4 * i);
-    w |= static_cast<uint32_t>(bytes[i] >> 4) << (16 + 4 * i);
-  }
-  return w;
+// ---------------------------------------------------------------------------------------------
+// Bits of a prepared word. The decoded form of A register i is a BF16x2 bit pattern with each
+// half's E2M1 sign at bit 15 and its magnitude bits e1 e0 m at bits 8..6 (kE2m1Bits): read as
+// BF16 it equals the E2M1 value times 2^-126 (codes 0/1 become BF16 subnormals, which BF16
+// arithmetic keeps), and one exact multiply by the block scale (see below) finishes it.
+// The word stores those 32 bits so that each register takes 2 integer instructions (register 3
+// takes 3): no single translate of the 8-bit pattern per register tiles a word (exhaustive
+// search), three translates do (shift left 4, rotate right 2, rotate right 6) and the remaining
+// 8 bits are in place but for one bit per half (shift left 8).
+//   a0 = (w << 4) & kE2m1Bits
+//   a1 = rotr(w, 2) & kE2m1Bits
+//   a2 = rotr(w, 6) & kE2m1Bits
+//   a3 = (w & kA3InPlace) | ((w << 8) & kA3Shifted)
+// NOTES: why: the previous placement (nibble i + 4e whole) took ~19 integer and multiply
+// instructions per word where this takes 13 with the multiplies; in decode the conversion's
+// integer instructions are the busiest pipe (docs/perf.md).
+// ---------------------------------------------------------------------------------------------
+constexpr uint32_t kE2m1Bits = 0x81C081C0u;   // BF16 bits 15, 8..6 of both halves
+constexpr uint32_t kA3InPlace = 0x80C080C0u;  // a3: sign, e0, m stored where they decode
+constexpr uint32_t kA3Shifted = 0x01000100u;  // a3: e1, stored 8 bits lower (bits 0 and 16)
+
+// rotr(w, n), 0 < n < 32. On the GPU as one 32 x 32 -> 64-bit multiply by 2^(32 - n) (its high
+// word is w >> n, its low word w << (32 - n); the caller's mask ORs them in the same LOP3): the
+// multiply issues to the FMA pipe, a funnel shift to the integer pipe that the masks load.
+MEGAMOE_HD uint32_t rotr32(uint32_t w, int n) {
+#ifdef __CUDA_ARCH__
+  uint64_t p;
+  asm("mul.wide.u32 %0, %1, %2;" : "=l"(p) : "r"(w), "r"(1u << (32 - n)));
+  return static_cast<uint32_t>(p) | static_cast<uint32_t>(p >> 32);
+#else
+  return (w >> n) | (w << (32 - n));
+#endif
 }
 
+// The four A registers of a word as kE2m1Bits patterns (the GEMM mainloop's decoding).
+MEGAMOE_HD void decode_word_bits(uint32_t w, uint32_t (&a)[4]) {
+  a[0] = (w << 4) & kE2m1Bits;
+  a[1] = rotr32(w, 2) & kE2m1Bits;
+  a[2] = rotr32(w, 6) & kE2m1Bits;
+  a[3] = (w & kA3InPlace) | ((w << 8) & kA3Shifted);
+}
+
+// The kE2m1Bits pattern of one E2M1 code (one BF16 half) and back.
+MEGAMOE_HD uint32_t e2m1_code_bits(uint32_t code) {
+  return ((code & 7u) << 6) | ((code & 8u) << 12);
+}
+MEGAMOE_HD uint32_t e2m1_bits_code(uint32_t bits) {
+  return ((bits >> 6) & 7u) | ((bits >> 12) & 8u);
+}
+
+// Word of the 4 canonical bytes of registers 0..3 (the inverse of decode_word_bits).
+MEGAMOE_HD uint32_t pack_word(const uint8_t bytes[4]) {
+  uint32_t a[4];
+  for (int i = 0; i < 4; ++i) {
+    a[i] = e2m1_code_bits(bytes[i] & 0xFu) | (e2m1_code_bits(bytes[i] >> 4) << 16);
+  }
+  const uint32_t a1 = (a[1] << 2) | (a[1] >> 30);  // rotl(a1, 2)
+  const uint32_t a2 = (a[2] << 6) | (a[2] >> 26);  // rotl(a2, 6)
+  return (a[0] >> 4) | a1 | a2 | (a[3] & kA3InPlace) | ((a[3] & kA3Shifted) >> 8);
+}
+
+// Canonical byte of register i (low nibble = element 0).
 MEGAMOE_HD uint8_t unpack_word_byte(uint32_t w, int i) {
-  return static_cast<uint8_t>(((w >> (4 * i)) & 0xF) | (((w >> (16 + 4 * i)) & 0xF) << 4));
+  uint32_t a[4];
+  decode_word_bits(w, a);
+  return static_cast<uint8_t>(e2m1_bits_code(a[i] & 0xFFFFu) | (e2m1_bits_code(a[i] >> 16) << 4));
 }
 
 // Prepared scale byte index (within one expert) -> canonical (row, k group).
@@ -128,15 +184,11 @@ MEGAMOE_HD void scale_source(int64_t index, int64_t cols, bool interleave, int64
 }
 
 // ---------------------------------------------------------------------------------------------
-// Device-side decoding of one prepared word (used by the GEMM mainloop).
-// E2M1 magnitude bits (e1 e0 m) moved to BF16 bits 8..6 read as a BF16 equal to the E2M1 value
-// times 2^-126 (codes 0/1 become BF16 subnormals, which BF16 arithmetic keeps); the sign goes to
-// bit 15 (31 for the high half). When every scale byte of a warp is < 128, one exact multiply by
-// 2^(b - 1) gives E2M1 x 2^(b - 127); otherwise two: by 2^126, then by the scale 2^(b - 127)
-// (2^(b - 1) exceeds the BF16 range for b > 128: legal, if unusual, weight scales).
+// Scaling the decoded registers (the GEMM mainloop): when every scale byte of a warp is < 128,
+// one exact multiply by 2^(b - 1) gives E2M1 x 2^(b - 127); otherwise two: by 2^126, then by the
+// scale 2^(b - 127) (2^(b - 1) exceeds the BF16 range for b > 128: legal, if unusual, weight
+// scales).
 // ---------------------------------------------------------------------------------------------
-constexpr uint32_t kSignMask = 0x80008000u;
-constexpr uint32_t kMagMask = 0x01C001C0u;
 constexpr uint32_t kDecodeUnscale = 0x7E807E80u;  // BF16x2 (2^126, 2^126)
 // Folded decoding for scale bytes b < 128 (every real checkpoint's weights are far below 6):
 // one multiply by the BF16 2^(b - 1) = 2^126 x 2^(b - 127), exponent field b + 126.

@@ -24,24 +24,6 @@
 
 namespace megamoe::sm90 {
 
-// BF16x2 of the E2M1 pair of A register i (nibbles i and i + 4 of the word), times 2^-126.
-template <int i>
-__device__ __forceinline__ uint32_t e2m1x2_bits(uint32_t w) {
-  using sm90_layout::kMagMask;
-  using sm90_layout::kSignMask;
-  static_assert(i >= 0 && i < 4, "four A registers per k16 step");
-  constexpr int kSignShift = 12 - 4 * i;  // nibble bit 3 -> BF16 bit 15
-  constexpr int kMagShift = 6 - 4 * i;    // nibble bits 0..2 -> BF16 bits 6..8
-  const uint32_t sign = (w << kSignShift) & kSignMask;
-  uint32_t mag;
-  if constexpr (kMagShift >= 0) {
-    mag = (w << kMagShift) & kMagMask;
-  } else {
-    mag = (w >> -kMagShift) & kMagMask;
-  }
-  return sign | mag;
-}
-
 __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t sf_word, int byte) {
   const uint32_t bits = sm90_layout::scale_bf16_bits((sf_word >> (8 * byte)) & 0xFFu);
   return bits | (bits << 16);
@@ -102,11 +84,13 @@ struct Mainloop {
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
         const int j = s / 2;  // k16 steps 0,1 in the first scale group, 2,3 in the second
-        const uint32_t w = words[s];
-        frags[sub][s][0] = ptx::mul_bf16x2(ptx::mul_bf16x2(e2m1x2_bits<0>(w), sm90_layout::kDecodeUnscale), sc[0][j]);
-        frags[sub][s][1] = ptx::mul_bf16x2(ptx::mul_bf16x2(e2m1x2_bits<1>(w), sm90_layout::kDecodeUnscale), sc[1][j]);
-        frags[sub][s][2] = ptx::mul_bf16x2(ptx::mul_bf16x2(e2m1x2_bits<2>(w), sm90_layout::kDecodeUnscale), sc[0][j]);
-        frags[sub][s][3] = ptx::mul_bf16x2(ptx::mul_bf16x2(e2m1x2_bits<3>(w), sm90_layout::kDecodeUnscale), sc[1][j]);
+        uint32_t bits[4];
+        sm90_layout::decode_word_bits(words[s], bits);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          frags[sub][s][i] = ptx::mul_bf16x2(
+              ptx::mul_bf16x2(bits[i], sm90_layout::kDecodeUnscale), sc[i & 1][j]);
+        }
       }
     }
   }
@@ -172,12 +156,7 @@ struct Mainloop {
     uint32_t bits[kSteps][4];
     const uint32_t words[kSteps] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
-    for (int s = 0; s < kSteps; ++s) {
-      bits[s][0] = e2m1x2_bits<0>(words[s]);
-      bits[s][1] = e2m1x2_bits<1>(words[s]);
-      bits[s][2] = e2m1x2_bits<2>(words[s]);
-      bits[s][3] = e2m1x2_bits<3>(words[s]);
-    }
+    for (int s = 0; s < kSteps; ++s) sm90_layout::decode_word_bits(words[s], bits[s]);
     // Registers 0, 2 are row g (scale byte j), registers 1, 3 row g + 8 (byte 2 + j); k16 steps
     // 0, 1 are in the first scale group (j = 0), steps 2, 3 in the second (j = 1).
     if (__all_sync(0xFFFFFFFFu, (sfw & sm90_layout::kScaleHighBits) == 0)) {

@@ -4,13 +4,17 @@
 
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "megamoe/error.hpp"
+#include "megamoe/formats.hpp"
 #include "megamoe/prepare.hpp"
 #include "megamoe/weights.hpp"
+#include "kernels/layout/sm90_weight_layout.hpp"
 #include "prep/sm90_layout.hpp"
 #include "test_util.hpp"
 
@@ -27,10 +31,19 @@ std::vector<uint8_t> random_bytes(size_t n, uint32_t seed) {
 }
 
 // Independent formula: where canonical nibble (row c, k) lands in the prepared expert.
-// Written from the wgmma fragment description, not from kernels/layout/sm90_weight_layout.hpp.
+// Written from the wgmma fragment description and the bit table of docs/layouts-sm90.md, not
+// from kernels/layout/sm90_weight_layout.hpp.
 struct NibblePos {
-  int64_t byte;
-  int shift;
+  int64_t word;  // prepared 32-bit word (little-endian) of the expert
+  int bit[4];    // word bit of code bit 0 (m), 1 (e0), 2 (e1), 3 (sign)
+};
+
+// kWordBit[register][element][code bit], the docs' table.
+constexpr int kWordBit[4][2][4] = {
+    {{2, 3, 4, 11}, {18, 19, 20, 27}},
+    {{8, 9, 10, 17}, {24, 25, 26, 1}},
+    {{12, 13, 14, 21}, {28, 29, 30, 5}},
+    {{6, 7, 0, 15}, {22, 23, 16, 31}},
 };
 
 int64_t prepared_row(bool w13, int64_t c, int64_t I) {
@@ -50,10 +63,19 @@ NibblePos nibble_pos(bool w13, int64_t c, int64_t k, int64_t I, int64_t K) {
   const int step = kk / 16, kin = kk % 16;
   const int upper_k = kin / 8, t = (kin % 8) / 2, elem = kin % 2;
   const int reg = upper_row + 2 * upper_k;  // a0..a3 of the m64k16 fragment
-  const int nib = reg + 4 * elem;
   const int thread = 32 * warp + 4 * g + t;
-  const int64_t byte = ((mb * (K / 64) + kb) * 128 + thread) * 16 + step * 4 + nib / 2;
-  return {byte, 4 * (nib % 2)};
+  NibblePos pos{};
+  pos.word = ((mb * (K / 64) + kb) * 128 + thread) * 4 + step;
+  for (int b = 0; b < 4; ++b) pos.bit[b] = kWordBit[reg][elem][b];
+  return pos;
+}
+
+uint8_t code_at(const std::vector<uint8_t>& prepared, const NibblePos& pos) {
+  uint32_t w = 0;
+  for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>(prepared[pos.word * 4 + i]) << (8 * i);
+  uint8_t code = 0;
+  for (int b = 0; b < 4; ++b) code |= static_cast<uint8_t>(((w >> pos.bit[b]) & 1u) << b);
+  return code;
 }
 
 int64_t scale_pos(bool w13, int64_t c, int64_t group, int64_t I, int64_t K) {
@@ -78,7 +100,7 @@ void check_matrix(Sm90Matrix which, const ExpertDims& dims, uint32_t seed) {
     for (int64_t k = 0; k < K; ++k) {
       const uint8_t canon = (w[c * K / 2 + k / 2] >> (4 * (k % 2))) & 0xF;
       const NibblePos pos = nibble_pos(w13, c, k, dims.intermediate, K);
-      const uint8_t prep = (pw[pos.byte] >> pos.shift) & 0xF;
+      const uint8_t prep = code_at(pw, pos);
       if (canon != prep && ++mismatches <= 5) {
         ADD_FAILURE() << "nibble row " << c << " k " << k << ": canonical " << int(canon)
                       << " prepared " << int(prep) << " (H " << dims.hidden << " I "
@@ -105,6 +127,36 @@ TEST(Sm90Layout, MatchesIndependentFormulaAndInverts) {
   for (const ExpertDims dims : {ExpertDims{128, 64}, ExpertDims{192, 128}, ExpertDims{256, 320}}) {
     check_matrix(Sm90Matrix::kW13, dims, 7);
     check_matrix(Sm90Matrix::kW2, dims, 11);
+  }
+}
+
+// The kernels' decoding of a word: every register half reads as a BF16 equal to its E2M1 code's
+// value times 2^-126 (sign at bit 15, magnitude e1 e0 m at bits 8..6), for every code in every
+// position, whatever the other codes of the word.
+TEST(Sm90Layout, DecodedWordIsE2m1TimesTwoToMinus126) {
+  namespace L = sm90_layout;
+  std::mt19937 rng(5);
+  for (int reg = 0; reg < 4; ++reg) {
+    for (int elem = 0; elem < 2; ++elem) {
+      for (uint8_t code = 0; code < 16; ++code) {
+        for (int trial = 0; trial < 8; ++trial) {
+          uint8_t bytes[4];
+          for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+          bytes[reg] = static_cast<uint8_t>(elem == 0 ? (bytes[reg] & 0xF0) | code
+                                                      : (bytes[reg] & 0x0F) | (code << 4));
+          uint32_t a[4];
+          L::decode_word_bits(L::pack_word(bytes), a);
+          const uint32_t half = (a[reg] >> (16 * elem)) & 0xFFFFu;
+          EXPECT_EQ(half & ~0x81C0u, 0u) << "stray bits, register " << reg;
+          float value;
+          const uint32_t f32 = half << 16;
+          std::memcpy(&value, &f32, sizeof value);
+          EXPECT_EQ(value, std::ldexp(e2m1_to_f32(code), -126))
+              << "register " << reg << " element " << elem << " code " << int(code);
+          EXPECT_EQ(L::unpack_word_byte(L::pack_word(bytes), reg), bytes[reg]);
+        }
+      }
+    }
   }
 }
 
