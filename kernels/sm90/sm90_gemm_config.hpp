@@ -40,6 +40,17 @@ struct GemmParams {
   uint16_t* h_act = nullptr;             // [max_rows, I]
   // L2 epilogue
   uint16_t* out = nullptr;               // [max_rows, H]
+  // Split-K (one-math-warpgroup configs only; GemmConfig::kSupportsSplitK): each tile's K loop
+  // is cut into k_splits parts run as separate work units. Every unit stores its FP32
+  // accumulators to split_partials; the tile's last unit to arrive (split_counters, zero before
+  // the launch and left zero) adds the parts in split order (deterministic) and runs the
+  // epilogue. A launch whose tiles exceed the capacities runs unsplit (all CTAs agree: the tile
+  // count comes from the same schedule).
+  int k_splits = 1;
+  float* split_partials = nullptr;       // [split_partial_floats]
+  int64_t split_partial_floats = 0;
+  int32_t* split_counters = nullptr;     // [split_counters_capacity], zero-initialized
+  int split_counters_capacity = 0;
 };
 
 // One tile configuration. The CTA has kNumMathWG consumer warpgroups (each kMBlocksPerWG
@@ -127,6 +138,11 @@ struct GemmConfig {
       kStagedEpilogue ? kStageBlocks * kBlockN * kStagePitch * sizeof(uint16_t) : 0;
   static constexpr size_t kOffSchedule = kOffStage + kStageBytes;
   static constexpr size_t kAlignSlack = 1024;  // the dynamic smem base is re-aligned to 1024
+  // Split-K: one warpgroup owns the whole tile (its accumulators are the tile's partial sums)
+  // and no other warps finish it.
+  static constexpr bool kSupportsSplitK = kNumMathWG == 1 && !kAsyncEpilogue;
+  // FP32 partials of one work unit: the warpgroup's accumulators, [block][BLOCK_N / 2][thread].
+  static constexpr int kSplitUnitFloats = kMBlocksPerWG * (kBlockN / 2) * kWarpgroupThreads;
 
   static constexpr size_t smem_bytes(int num_experts) {
     return kAlignSlack + kOffSchedule + 2 * sizeof(int32_t) * static_cast<size_t>(num_experts + 1);

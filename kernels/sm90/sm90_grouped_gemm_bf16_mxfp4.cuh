@@ -40,6 +40,65 @@ __device__ __forceinline__ void dispatch_n(int n, F&& f) {
   }
 }
 
+// K parts per tile of this launch: p.k_splits when the config supports split-K and the tiles
+// fit the workspace, else 1 (the same answer in every CTA).
+template <class Cfg>
+__device__ __forceinline__ int split_k_units(const GemmParams& p, int num_tiles) {
+  if constexpr (!Cfg::kSupportsSplitK) {
+    return 1;
+  } else {
+    if (p.k_splits <= 1 || num_tiles > p.split_counters_capacity ||
+        static_cast<int64_t>(num_tiles) * p.k_splits * Cfg::kSplitUnitFloats >
+            p.split_partial_floats) {
+      return 1;
+    }
+    return p.k_splits;
+  }
+}
+
+// Split-K hand-off after unit (tile t, part sp) has accumulated its K part: stores the part,
+// and returns true in the tile's last unit to arrive, with acc = the parts summed in split order
+// (part 0 + part 1 + ..., whichever unit arrives last: deterministic). Called by the whole math
+// warpgroup (named barrier 1 + wg).
+template <class Cfg>
+__device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
+                                               float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
+                                               int t, int sp, int splits, int wg, int tid) {
+  __shared__ int s_last[Cfg::kNumMathWG];
+  constexpr int kPer = Cfg::kBlockN / 2;
+  float* tile_parts = p.split_partials + static_cast<int64_t>(t) * splits * Cfg::kSplitUnitFloats;
+  float* mine = tile_parts + static_cast<int64_t>(sp) * Cfg::kSplitUnitFloats;
+#pragma unroll
+  for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) __stcg(mine + (sub * kPer + i) * Cfg::kWarpgroupThreads + tid, acc[sub][i]);
+  }
+  __threadfence();  // this thread's part is visible device-wide before the arrival below
+  ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
+  if (tid == 0) {
+    const int arrived = atomicAdd(p.split_counters + t, 1);
+    const bool last = arrived == splits - 1;
+    if (last) p.split_counters[t] = 0;  // every part has arrived: ready for the next launch
+    s_last[wg] = last;
+  }
+  ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
+  const bool last = s_last[wg] != 0;
+  ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // s_last is rewritten next tile
+  if (!last) return false;
+  __threadfence();  // the other parts' stores (ordered before their arrivals) are read below
+#pragma unroll
+  for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t at = (sub * kPer + i) * Cfg::kWarpgroupThreads + tid;
+      float sum = __ldcg(tile_parts + at);
+      for (int s = 1; s < splits; ++s) sum += __ldcg(tile_parts + s * Cfg::kSplitUnitFloats + at);
+      acc[sub][i] = sum;
+    }
+  }
+  return true;
+}
+
 template <class Cfg, GemmKind kKind>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
@@ -78,6 +137,14 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   const TileScheduler<Cfg::kBlockN, Cfg::kMBlocksPerCta> sched{
       s_offsets, s_prefix, p.num_experts, total_m_blocks, m_tiles};
   const int num_tiles = sched.total_tiles();
+  // Work units: tile t, K part sp = unit u / splits, u % splits (the parts of a tile run on
+  // neighbouring CTAs at about the same time). Part sp covers stages [sp S / splits,
+  // (sp + 1) S / splits) of the S = num_k_blocks / kKBlocksPerStage stages (the launcher keeps
+  // splits <= S, so no part is empty).
+  const int splits = split_k_units<Cfg>(p, num_tiles);
+  const int num_units = num_tiles * splits;
+  const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
+  auto k_begin = [&](int sp) { return sp * num_k_stages / splits * Cfg::kKBlocksPerStage; };
 
   if (wg == Cfg::kNumMathWG) {
     if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
@@ -128,14 +195,15 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     int stage = 0;
     uint32_t phase = 0;
     constexpr int kKSub = Cfg::kKBlocksPerStage;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const TileInfo tile = sched.get(t);
+    for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
+      const TileInfo tile = sched.get(u / splits);
+      const int kb_begin = k_begin(u % splits), kb_end = k_begin(u % splits + 1);
       const uint32_t stage_bytes =
           tile.num_m_blocks * (sm90_layout::kBlockBytes + sm90_layout::kSfBlockBytes) * kKSub +
           Cfg::kSmemBBytes;
       const int64_t block_base =
           (static_cast<int64_t>(tile.expert) * total_m_blocks + tile.m_block0) * num_k_blocks;
-      for (int kb = 0; kb < num_k_blocks; kb += kKSub) {
+      for (int kb = kb_begin; kb < kb_end; kb += kKSub) {
         ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
         ptx::mbar_arrive_expect_tx(&full_bars[stage], stage_bytes);
         // Weight block m's kKSub k-blocks (and their scales) are contiguous in the sm90 layout.
@@ -165,8 +233,15 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     float acc[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2];
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const TileInfo tile = sched.get(t);
+    // NOTES: the split count is re-read (from the schedule in shared memory) where it is used
+    // after the mainloop instead of kept live across it: the decode tiles run at the register
+    // cap of 4 CTAs per SM, and the live values spilled (24 bytes, Decode16X2K2 L1).
+    auto live_splits = [&] { return split_k_units<Cfg>(p, sched.total_tiles()); };
+    for (int u = blockIdx.x; u < sched.total_tiles() * live_splits(); u += gridDim.x) {
+      const int n_splits = live_splits();
+      const TileInfo tile = sched.get(u / n_splits);
+      const int unit_k_blocks = (u % n_splits + 1) * num_k_stages / n_splits * Cfg::kKBlocksPerStage -
+                                u % n_splits * num_k_stages / n_splits * Cfg::kKBlocksPerStage;
       bool valid[Cfg::kMBlocksPerWG];
 #pragma unroll
       for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
@@ -174,14 +249,21 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       }
       dispatch_n<Cfg::kNStep, Cfg::kBlockN>(tile.num_rows, [&](auto n_tag) {
         ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
-                                                  empty_bars, num_k_blocks, wg, tid, stage, phase);
+                                                  empty_bars, unit_k_blocks, wg, tid, stage, phase);
       });
+      if constexpr (Cfg::kSupportsSplitK) {
+        const int n_splits = live_splits();
+        if (n_splits > 1 &&
+            !split_k_reduce<Cfg>(p, acc, u / n_splits, u % n_splits, n_splits, wg, tid)) {
+          continue;
+        }
+      }
       if constexpr (Cfg::kAsyncEpilogue) {
         // Stage this warpgroup's blocks (once the epilogue warps have read the previous tile's)
         // and go on with the next tile.
         uint16_t* wg_stage =
             smem_stage + static_cast<size_t>(wg) * Cfg::kMBlocksPerWG * Cfg::kBlockN * Cfg::kStagePitch;
-        if (t != static_cast<int>(blockIdx.x)) {
+        if (u != static_cast<int>(blockIdx.x)) {  // (async configs: one unit per tile)
           ptx::named_barrier_sync(Cfg::kBarStageFree + 2 * wg, Cfg::kStageSyncThreads);
         }
 #pragma unroll

@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -47,6 +48,16 @@ constexpr int64_t kDecodeCtasPerSm = Decode16X2K2Config::kMinBlocksPerSM;
 // 4 (Decode16X2Overlap3 against Decode16X2Overlap, revision c375334).
 static_assert(Decode16X2K2x3Config::kBlockM == kDecodeX2Rows, "same tile");
 constexpr int64_t kDecodeCtasPerSm3 = Decode16X2K2x3Config::kMinBlocksPerSM;
+
+// Split-K (decode launches with few tiles). kSplitKTargetUnitsPerSlot: kAuto picks the number
+// of K parts so that the work units cover about that many units per CTA slot.
+constexpr int64_t kSplitKTargetUnitsPerSlot = 2;
+
+int split_k_parts(int64_t tiles, int64_t slots, int64_t stages) {
+  if (tiles <= 0) return 1;
+  const int64_t want = (kSplitKTargetUnitsPerSlot * slots + tiles - 1) / tiles;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, kMaxKSplits, stages})));
+}
 
 // Fraction of the CTA slots busy over the waves of a persistent launch of `tiles` tiles.
 double wave_fill(int64_t tiles, int64_t slots) {
@@ -101,6 +112,14 @@ CUtensorMap make_rows_map(const uint16_t* base, int64_t rows, int64_t cols, int 
 template <class Cfg, GemmKind kKind>
 void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
   auto* kernel = &sm90_grouped_gemm_bf16_mxfp4_kernel<Cfg, kKind>;
+  if (p.k_splits > 1) {
+    MEGAMOE_CHECK_ARG(Cfg::kSupportsSplitK, "sm90 gemm: k_splits: the tile (", Cfg::kBlockM,
+                      " x ", Cfg::kBlockN, ", ", Cfg::kNumMathWG,
+                      " math warpgroups) runs unsplit; expected k_splits <= 1, got ", p.k_splits);
+    const int stages = p.k / Cfg::kBlockK / Cfg::kKBlocksPerStage;
+    MEGAMOE_CHECK_ARG(p.k_splits <= stages, "sm90 gemm: k_splits: expected at most the ", stages,
+                      " pipeline stages of K = ", p.k, ", got ", p.k_splits);
+  }
   const auto& dev = cuda::device_info();
   const size_t smem = Cfg::smem_bytes(p.num_experts);
   MEGAMOE_CHECK(static_cast<int64_t>(Cfg::smem_bytes(kMaxLocalExperts)) <= dev.smem_per_block_optin,
@@ -152,8 +171,10 @@ GemmTile forced_tile() {
 }
 
 template <GemmKind kKind>
-void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16_t* b_rows,
+void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_rows,
             cudaStream_t stream) {
+  const bool auto_splits = p.k_splits == 0;
+  if (auto_splits) p.k_splits = 1;
   if (tile == GemmTile::kAuto) tile = forced_tile();
   if (tile == GemmTile::kAuto) tile = overlap_by_default() ? GemmTile::kAutoOverlap : GemmTile::kAutoSerial;
   if (tile == GemmTile::kAutoSerial || tile == GemmTile::kAutoOverlap) {
@@ -168,16 +189,31 @@ void launch(const GemmParams& p, int64_t rows_bound, GemmTile tile, const uint16
     const int64_t x2_tiles = active * ((p.m_rows + kDecodeX2Rows - 1) / kDecodeX2Rows);
     const bool three_per_sm =
         wave_fill(x2_tiles, sms * kDecodeCtasPerSm3) >= 1.1 * wave_fill(x2_tiles, slots);
+    // With a split-K workspace, launches whose 128-row tiles are fewer than
+    // kSplitKTargetUnitsPerSlot per slot run them in K parts instead (Decode16X2K2, 4 CTAs per SM).
+    const int64_t x2_stages = p.k / Decode16X2K2Config::kBlockK /
+                              ((p.k / Decode16X2K2Config::kBlockK) %
+                                           Decode16X2K2Config::kKBlocksPerStage == 0
+                                   ? Decode16X2K2Config::kKBlocksPerStage
+                                   : 1);
+    const int parts = split_k_parts(x2_tiles, slots, x2_stages);
+    const bool split = auto_splits && p.split_partials != nullptr && parts > 1 &&
+                       x2_tiles <= p.split_counters_capacity &&
+                       x2_tiles * parts * Decode16X2K2Config::kSplitUnitFloats <=
+                           p.split_partial_floats;
     const GemmTile decode_overlap =
-        x2_tiles * kDecodeFillDen < slots * kDecodeFillNum ? GemmTile::kDecode16Overlap
-        : three_per_sm                                     ? GemmTile::kDecode16X2K2x3
-                                                           : GemmTile::kDecode16X2K2;
+        split                                               ? GemmTile::kDecode16X2K2
+        : x2_tiles * kDecodeFillDen < slots * kDecodeFillNum ? GemmTile::kDecode16Overlap
+        : three_per_sm                                      ? GemmTile::kDecode16X2K2x3
+                                                            : GemmTile::kDecode16X2K2;
     if (avg <= kDecode8MaxAvgRows) {
       // NOTES: no overlapped 8-row decode tile: its first version wrote h_q/h_act that disagreed
       // on the H200 (device run at dbab4e4) and was removed; overlap uses the 16-row tiles here.
       tile = overlap ? decode_overlap : GemmTile::kDecode8;
+      if (overlap && split) p.k_splits = parts;
     } else if (avg <= (overlap ? kDecodeOverlapMaxAvgRows : kDecodeMaxAvgRows)) {
       tile = overlap ? decode_overlap : GemmTile::kDecode16;
+      if (overlap && split) p.k_splits = parts;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
       tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillWideAsync : GemmTile::kPrefillWideStaged;
     } else if (overlap) {
@@ -259,7 +295,39 @@ void check_common(const char* who, int num_experts, int64_t hidden, int64_t inte
   MEGAMOE_CHECK_ARG(row_offsets != nullptr, who, ": row_offsets: expected a device pointer, got null");
 }
 
+void set_split_k(GemmParams& p, const SplitKWorkspace& ws, int k_splits, const char* who) {
+  MEGAMOE_CHECK_ARG(k_splits >= 0 && k_splits <= kMaxKSplits, who, ": k_splits: expected 0 (auto), 1 or up to ",
+                    kMaxKSplits, ", got ", k_splits);
+  MEGAMOE_CHECK_ARG(k_splits <= 1 || !ws.empty(), who,
+                    ": k_splits: ", k_splits, " parts need a split_k workspace, got an empty one");
+  MEGAMOE_CHECK_ARG(ws.partial_floats >= 0 && ws.counters_capacity >= 0, who,
+                    ": split_k: expected non-negative capacities");
+  p.k_splits = k_splits;
+  if (ws.empty()) return;
+  p.split_partials = ws.partials;
+  p.split_partial_floats = ws.partial_floats;
+  p.split_counters = ws.counters;
+  p.split_counters_capacity = ws.counters_capacity;
+}
+
 }  // namespace
+
+int split_k_counters() {
+  // kAuto splits only launches with fewer 128-row tiles than kSplitKTargetUnitsPerSlot per slot.
+  return static_cast<int>(kSplitKTargetUnitsPerSlot * cuda::device_info().sm_count *
+                          kDecodeCtasPerSm);
+}
+
+int64_t split_k_partial_floats() {
+  // The most work units kAuto creates: tiles x parts over every tile count it splits (~2.7 x the
+  // CTA slots, ~11 MiB on an H200).
+  const int64_t slots = static_cast<int64_t>(cuda::device_info().sm_count) * kDecodeCtasPerSm;
+  int64_t units = 0;
+  for (int64_t tiles = 1; tiles < kSplitKTargetUnitsPerSlot * slots; ++tiles) {
+    units = std::max(units, tiles * split_k_parts(tiles, slots, kMaxKSplits));
+  }
+  return units * Decode16X2K2Config::kSplitUnitFloats;
+}
 
 void launch_l1(const L1Args& a, cudaStream_t stream) {
   check_common("launch_l1", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
@@ -291,6 +359,7 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
   p.h_q = a.h_q;
   p.h_sf = a.h_sf;
   p.h_act = a.h_act;
+  set_split_k(p, a.split_k, a.k_splits, "launch_l1");
   launch<GemmKind::kL1>(p, a.rows_bound, a.tile, a.act, stream);
 }
 
@@ -317,6 +386,7 @@ void launch_l2(const L2Args& a, cudaStream_t stream) {
   p.bias = a.w2_bias;
   p.intermediate = static_cast<int>(a.intermediate);
   p.out = a.out;
+  set_split_k(p, a.split_k, a.k_splits, "launch_l2");
   launch<GemmKind::kL2>(p, a.rows_bound, a.tile, a.h_act, stream);
 }
 

@@ -79,6 +79,27 @@ enum class GemmTile : int {
   // 15, 16, 9 and the 5-stage async 256 x 128 tile)
 };
 
+// Split-K workspace (optional). kAuto cuts the K loop of a decode launch into parts run as
+// separate work units when its tiles would leave CTA slots idle (few experts hit, e.g.
+// DeepSeek-V3 / Kimi-K3 at T = 1): each part stores FP32 partial accumulators here and the
+// tile's last part adds them in part order (deterministic) before the epilogue. Owned by the
+// caller: `counters` zero-initialized once (every launch leaves them zero); one workspace serves
+// the launches of one stream in turn, not two launches running at the same time. Sizes:
+// split_k_counters() / split_k_partial_floats() cover every split kAuto picks; a launch that
+// would need more runs unsplit.
+struct SplitKWorkspace {
+  float* partials = nullptr;
+  int64_t partial_floats = 0;
+  int32_t* counters = nullptr;
+  int counters_capacity = 0;
+  bool empty() const { return partials == nullptr || counters == nullptr; }
+};
+constexpr int kMaxKSplits = 4;
+#if defined(MEGAMOE_WITH_CUDA)
+int split_k_counters();            // on the current device
+int64_t split_k_partial_floats();  // on the current device
+#endif
+
 struct L1Args {
   int num_experts = 0;                  // E_l
   int64_t hidden = 0;                   // H (reduction)
@@ -98,6 +119,9 @@ struct L1Args {
   uint8_t* h_sf = nullptr;              // device ue8m0 [max_rows, I/32]
   uint16_t* h_act = nullptr;            // device bf16 [max_rows + kRowSlack, I], 16-byte aligned
   GemmTile tile = GemmTile::kAuto;      // tile configuration (kAuto: chosen from rows_bound)
+  SplitKWorkspace split_k;              // optional (empty: never split)
+  int k_splits = 0;                     // 0: kAuto's choice; 1: unsplit; n in [2, kMaxKSplits]:
+                                        // n parts (one-warpgroup decode tiles; needs split_k)
 };
 
 struct L2Args {
@@ -114,6 +138,8 @@ struct L2Args {
   const uint16_t* w2_bias = nullptr;    // device bf16 [E_l, H], or nullptr
   uint16_t* out = nullptr;              // device bf16 [max_rows, H]
   GemmTile tile = GemmTile::kAuto;      // as in L1Args
+  SplitKWorkspace split_k;              // as in L1Args
+  int k_splits = 0;                     // as in L1Args
 };
 
 #if defined(MEGAMOE_WITH_CUDA)

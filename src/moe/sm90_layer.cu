@@ -59,6 +59,12 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   v.h_sf = carver.take<uint8_t>(rows * inter / kScaleBlock);
   v.h_act = carver.take<uint16_t>(rows * inter);
   v.error = carver.take<RouteError>(1);
+  // Split-K partials and counters (decode launches with few tiles; the memset below zeroes the
+  // counters once, every launch leaves them zero).
+  v.split_k.partial_floats = split_k_partial_floats();
+  v.split_k.partials = carver.take<float>(v.split_k.partial_floats);
+  v.split_k.counters_capacity = split_k_counters();
+  v.split_k.counters = carver.take<int32_t>(v.split_k.counters_capacity);
   *bytes = carver.bytes();
   return v;
 }
@@ -212,6 +218,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l1.h_q = view_.h_q;
   l1.h_sf = view_.h_sf;
   l1.h_act = view_.h_act;
+  l1.split_k = view_.split_k;
   launch_l1(l1, stream);
   if (done(Stage::kL1)) return;
 
@@ -228,6 +235,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l2.w2_sf = weights_->w2_sf.as<uint8_t>();
   l2.w2_bias = weights_->has_bias() ? weights_->w2_bias.as<uint16_t>() : nullptr;
   l2.out = view_.out;
+  l2.split_k = view_.split_k;
   launch_l2(l2, stream);
   if (done(Stage::kL2)) return;
 

@@ -26,6 +26,7 @@
 #include "megamoe/buffer.hpp"
 #include "megamoe/config.hpp"
 #include "megamoe/weights.hpp"
+#include "moe/sm90_gemm.hpp"
 
 #if defined(MEGAMOE_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -56,6 +57,7 @@ struct WorkspaceView {
   uint8_t* h_sf = nullptr;         // [rows, I/32]
   uint16_t* h_act = nullptr;       // [rows, I]
   RouteError* error = nullptr;
+  SplitKWorkspace split_k;         // L1 and L2 in turn (one stream); counters zeroed once
 };
 
 class Sm90Layer {

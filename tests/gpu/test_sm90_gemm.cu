@@ -114,6 +114,30 @@ std::vector<T> to_host(const Buffer& b, size_t n) {
   return v;
 }
 
+// One split-K workspace for every launch of the tests (the layer's sizes); after each launch its
+// counters must be back to zero (check_split_counters_zero).
+const sm90::SplitKWorkspace& split_workspace() {
+  static Buffer partials, counters;
+  static sm90::SplitKWorkspace ws;
+  if (ws.empty()) {
+    ws.partial_floats = sm90::split_k_partial_floats();
+    ws.counters_capacity = sm90::split_k_counters();
+    partials = Buffer(ws.partial_floats * 4, Device::cuda());
+    counters = Buffer(int64_t(ws.counters_capacity) * 4, Device::cuda());
+    MEGAMOE_CUDA_CHECK(cudaMemset(counters.data(), 0, counters.size()));
+    ws.partials = partials.as<float>();
+    ws.counters = counters.as<int32_t>();
+  }
+  return ws;
+}
+
+void check_split_counters_zero() {
+  const auto& ws = split_workspace();
+  std::vector<int32_t> c(ws.counters_capacity);
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(c.data(), ws.counters, c.size() * 4, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < c.size(); ++i) ASSERT_EQ(c[i], 0) << "split-K counter " << i << " left set";
+}
+
 // Prepared (sm90) copies of all experts of one matrix.
 void prepare_all(Sm90Matrix which, const Problem& p, const std::vector<uint8_t>& w,
                  const std::vector<uint8_t>& sf, std::vector<uint8_t>& pw, std::vector<uint8_t>& psf) {
@@ -180,8 +204,9 @@ double bf16_ulp(double v) {
 }
 
 void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias,
-                 sm90::GemmTile tile = sm90::GemmTile::kAuto) {
-  SCOPED_TRACE(describe(p, "L2") + " tile=" + std::to_string(int(tile)));
+                 sm90::GemmTile tile = sm90::GemmTile::kAuto, int k_splits = 0) {
+  SCOPED_TRACE(describe(p, "L2") + " tile=" + std::to_string(int(tile)) +
+               " k_splits=" + std::to_string(k_splits));
   std::vector<uint8_t> pw2, psf2;
   prepare_all(Sm90Matrix::kW2, p, p.w2, p.w2_sf, pw2, psf2);
   Buffer d_off = to_device(p.offsets), d_h = to_device(p.h_in), d_rw = to_device(p.row_weights);
@@ -196,8 +221,11 @@ void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias,
   a.row_weights = d_rw.as<float>(); a.w2 = d_w.as<uint8_t>(); a.w2_sf = d_sf.as<uint8_t>();
   a.w2_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.out = d_out.as<uint16_t>();
   a.tile = tile;
+  a.split_k = split_workspace();
+  a.k_splits = k_splits;
   sm90::launch_l2(a, nullptr);
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  check_split_counters_zero();
   const auto out = to_host<uint16_t>(d_out, max_rows * p.H);
 
   double worst = 0;
@@ -231,8 +259,8 @@ void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias,
   for (int64_t row = p.rows; row < max_rows; ++row)
     for (int64_t n = 0; n < p.H; ++n)
       ASSERT_EQ(out[row * p.H + n], uint16_t(kPoisonByte * 0x101)) << "row past the routed rows written";
-  printf("[sm90 L2] %s rows_bound=%lld tile=%d bias=%d: max |gpu-ref| / bound = %.3f\n",
-         describe(p, "").c_str(), (long long)rows_bound, int(tile), int(with_bias), worst);
+  printf("[sm90 L2] %s rows_bound=%lld tile=%d k_splits=%d bias=%d: max |gpu-ref| / bound = %.3f\n",
+         describe(p, "").c_str(), (long long)rows_bound, int(tile), k_splits, int(with_bias), worst);
   EXPECT_EQ(bad, 0);
 }
 
@@ -245,9 +273,9 @@ bool neighbour_codes(uint8_t a, uint8_t b) {
 }
 
 void run_l1_case(const Problem& p, int64_t rows_bound, const Activation& act, bool fast_math,
-                 bool with_bias, sm90::GemmTile tile = sm90::GemmTile::kAuto) {
+                 bool with_bias, sm90::GemmTile tile = sm90::GemmTile::kAuto, int k_splits = 0) {
   SCOPED_TRACE(describe(p, "L1") + " tile=" + std::to_string(int(tile)) + " act=" + std::to_string(int(act.kind)) +
-               " fast_math=" + std::to_string(fast_math));
+               " fast_math=" + std::to_string(fast_math) + " k_splits=" + std::to_string(k_splits));
   std::vector<uint8_t> pw, psf;
   prepare_all(Sm90Matrix::kW13, p, p.w13, p.w13_sf, pw, psf);
   Buffer d_off = to_device(p.offsets), d_x = to_device(p.act), d_rw = to_device(p.row_weights);
@@ -269,8 +297,11 @@ void run_l1_case(const Problem& p, int64_t rows_bound, const Activation& act, bo
   a.fast_math = fast_math; a.h_q = d_hq.as<uint8_t>(); a.h_sf = d_hsf.as<uint8_t>();
   a.h_act = d_hact.as<uint16_t>();
   a.tile = tile;
+  a.split_k = split_workspace();
+  a.k_splits = k_splits;
   sm90::launch_l1(a, nullptr);
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  check_split_counters_zero();
   const auto hq = to_host<uint8_t>(d_hq, max_rows * I);
   const auto hsf = to_host<uint8_t>(d_hsf, max_rows * I / 32);
   const auto hact = to_host<uint16_t>(d_hact, max_rows * I);
@@ -458,6 +489,44 @@ TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
   }
 }
 
+// Split-K on the one-warpgroup decode tiles (kAuto uses it with Decode16X2K2 when a decode
+// launch has few tiles): 2..4 K parts of 4 or 8 stages (K2), and of 3 or 5 one-k-block stages
+// (K = 192, 320: the twins), partial tiles, empty experts, bias, several units per CTA (more
+// units than a small problem's tiles), compared with the same reference; the counters must be
+// back to zero after every launch. Small enough for compute-sanitizer.
+TEST(ReliabilitySanitize, DecodeTilesSplitK) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(1024, 512, {3, 0, 9, 1, 17}, true, 15);
+  const Problem q = make_problem(320, 192, {5, 0, 2, 17}, false, 16);
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2, sm90::GemmTile::kDecode16Overlap,
+                                    sm90::GemmTile::kDecode16X2}) {
+    for (int parts : {2, 3, 4}) {
+      run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile, parts);
+      run_l2_case(p, p.rows, true, tile, parts);
+      run_l1_case(q, q.rows, Activation::situ(4.0f, 25.0f), false, false, tile, parts);
+      if (parts <= 3) run_l2_case(q, q.rows, false, tile, parts);
+    }
+  }
+}
+
+// kAuto's split-K choice at T = 1 of the DeepSeek-V3 shape (8 experts, one row each: 256 and
+// 448 tiles of 128 rows split into 4 and 3 K parts) against the reference.
+TEST(Sm90Gemm, KAutoSplitKAtOneToken) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(7168, 2048, std::vector<int>(8, 1), false, 17);
+  run_l1_case(p, 8, Activation::swiglu(), true, false);
+  run_l2_case(p, 8, false);
+}
+
+// Forced k_splits the tile or the K cannot take are rejected with the field named.
+TEST(Sm90Gemm, SplitKRejectsWhatCannotSplit) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(512, 256, {3, 1}, false, 18);
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kPrefillK2, 2));
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2, 3));  // 2 stages
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2, 5));
+}
+
 // The staged-epilogue prefill tiles (stmatrix staging; the asynchronous epilogue's handshake
 // over tile boundaries) on a problem small enough for compute-sanitizer: partial m- and n-tiles,
 // several tiles per CTA, bias; K = 320 runs the two-k-block tiles as their twins.
@@ -614,10 +683,21 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2);
         variants.push_back(sm90::GemmTile::kPrefillWideAsync);
       }
-      for (const sm90::GemmTile tile : variants)
+      // Split-K (T <= 8): the 128-row decode tile forced with 1..kMaxKSplits K parts.
+      std::vector<std::pair<sm90::GemmTile, int>> runs;
+      for (const sm90::GemmTile tile : variants) runs.emplace_back(tile, 0);
+      if (T <= 8) {
+        for (int parts = 1; parts <= sm90::kMaxKSplits; ++parts)
+          runs.emplace_back(sm90::GemmTile::kDecode16X2K2, parts);
+      }
+      a1.split_k = split_workspace();
+      a2.split_k = split_workspace();
+      for (const auto& [tile, parts] : runs)
       for (int which = 0; which < 2; ++which) {
         a1.tile = tile;
         a2.tile = tile;
+        a1.k_splits = parts;
+        a2.k_splits = parts;
         auto launch = [&](int it) {
           if (which == 0) { a1.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l1(a1, nullptr); }
           else { a2.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l2(a2, nullptr); }
@@ -638,8 +718,9 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         const double k_red = which == 0 ? double(s.H) : double(s.I);
         const double wbytes = active_avg * n_rows * k_red * (0.5 + 1.0 / 32);
         const double flops = 2.0 * rows * n_rows * k_red;
-        printf("[bench] %-11s T=%5d %s tile=%d rows=%6lld experts=%6.1f  median %9.1f us (min %9.1f)  %7.1f TFLOP/s  weights %6.0f GB/s\n",
-               s.name, T, which == 0 ? "L1" : "L2", int(tile), (long long)rows, active_avg, med, mn,
+        const std::string split_label = parts > 0 ? " split=" + std::to_string(parts) : "";
+        printf("[bench] %-11s T=%5d %s tile=%d%s rows=%6lld experts=%6.1f  median %9.1f us (min %9.1f)  %7.1f TFLOP/s  weights %6.0f GB/s\n",
+               s.name, T, which == 0 ? "L1" : "L2", int(tile), split_label.c_str(), (long long)rows, active_avg, med, mn,
                flops / (med * 1e-6) / 1e12, wbytes / (med * 1e-6) / 1e9);
       }
     }
