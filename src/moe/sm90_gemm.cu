@@ -49,14 +49,16 @@ constexpr int64_t kDecodeCtasPerSm = Decode16X2K2Config::kMinBlocksPerSM;
 static_assert(Decode16X2K2x3Config::kBlockM == kDecodeX2Rows, "same tile");
 constexpr int64_t kDecodeCtasPerSm3 = Decode16X2K2x3Config::kMinBlocksPerSM;
 
-// Split-K (decode launches with few tiles). kSplitKTargetUnitsPerSlot: kAuto picks the number
-// of K parts so that the work units cover about that many units per CTA slot.
-constexpr int64_t kSplitKTargetUnitsPerSlot = 2;
-
+// Split-K (decode launches with few tiles): the K parts fill the CTA slots that the tiles leave
+// idle, in one wave: parts = slots / tiles (at most kMaxKSplits and the pipeline stages of K).
+// NOTES: why one wave: at T = 1 on the H200 (revision 6bfe8a4, bench/results/gemm_bench_6bfe8a4.txt)
+// DeepSeek-V3 L1 (256 tiles of 128 rows, 528 slots) ran 1.30x faster in 2 parts (512 units) but
+// slower in 3 or 4 (a second wave); launches with more tiles than half the slots (448, 768) only
+// lost (1.25-2.3x slower with 2-4 parts): every unit pays its pipeline fill and the partials'
+// round trip, which a full grid does not win back.
 int split_k_parts(int64_t tiles, int64_t slots, int64_t stages) {
   if (tiles <= 0) return 1;
-  const int64_t want = (kSplitKTargetUnitsPerSlot * slots + tiles - 1) / tiles;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, kMaxKSplits, stages})));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({slots / tiles, kMaxKSplits, stages})));
 }
 
 // Fraction of the CTA slots busy over the waves of a persistent launch of `tiles` tiles.
@@ -189,8 +191,8 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
     const int64_t x2_tiles = active * ((p.m_rows + kDecodeX2Rows - 1) / kDecodeX2Rows);
     const bool three_per_sm =
         wave_fill(x2_tiles, sms * kDecodeCtasPerSm3) >= 1.1 * wave_fill(x2_tiles, slots);
-    // With a split-K workspace, launches whose 128-row tiles are fewer than
-    // kSplitKTargetUnitsPerSlot per slot run them in K parts instead (Decode16X2K2, 4 CTAs per SM).
+    // With a split-K workspace, launches with at most half as many 128-row tiles as CTA slots
+    // run them in K parts (Decode16X2K2, 4 CTAs per SM) instead of the 64-row tile.
     const int64_t x2_stages = p.k / Decode16X2K2Config::kBlockK /
                               ((p.k / Decode16X2K2Config::kBlockK) %
                                            Decode16X2K2Config::kKBlocksPerStage == 0
@@ -313,20 +315,14 @@ void set_split_k(GemmParams& p, const SplitKWorkspace& ws, int k_splits, const c
 }  // namespace
 
 int split_k_counters() {
-  // kAuto splits only launches with fewer 128-row tiles than kSplitKTargetUnitsPerSlot per slot.
-  return static_cast<int>(kSplitKTargetUnitsPerSlot * cuda::device_info().sm_count *
-                          kDecodeCtasPerSm);
+  // kAuto splits only launches with at most half as many tiles as CTA slots.
+  return cuda::device_info().sm_count * static_cast<int>(kDecodeCtasPerSm) / 2;
 }
 
 int64_t split_k_partial_floats() {
-  // The most work units kAuto creates: tiles x parts over every tile count it splits (~2.7 x the
-  // CTA slots, ~11 MiB on an H200).
-  const int64_t slots = static_cast<int64_t>(cuda::device_info().sm_count) * kDecodeCtasPerSm;
-  int64_t units = 0;
-  for (int64_t tiles = 1; tiles < kSplitKTargetUnitsPerSlot * slots; ++tiles) {
-    units = std::max(units, tiles * split_k_parts(tiles, slots, kMaxKSplits));
-  }
-  return units * Decode16X2K2Config::kSplitUnitFloats;
+  // At most one unit per CTA slot (~4 MiB on an H200).
+  return static_cast<int64_t>(cuda::device_info().sm_count) * kDecodeCtasPerSm *
+         Decode16X2K2Config::kSplitUnitFloats;
 }
 
 void launch_l1(const L1Args& a, cudaStream_t stream) {

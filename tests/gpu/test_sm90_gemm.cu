@@ -509,8 +509,9 @@ TEST(ReliabilitySanitize, DecodeTilesSplitK) {
   }
 }
 
-// kAuto's split-K choice at T = 1 of the DeepSeek-V3 shape (8 experts, one row each: 256 and
-// 448 tiles of 128 rows split into 4 and 3 K parts) against the reference.
+// kAuto's split-K choice at T = 1 of the DeepSeek-V3 shape (8 experts, one row each): L1's 256
+// tiles of 128 rows run in 2 K parts on an H200 (132 x 4 slots), L2's 448 unsplit; both against
+// the reference.
 TEST(Sm90Gemm, KAutoSplitKAtOneToken) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(7168, 2048, std::vector<int>(8, 1), false, 17);
@@ -626,6 +627,14 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
     Buffer out(max_rows * s.H * 2, Device::cuda());
     std::vector<float> rw(max_rows, 0.5f);
     Buffer d_rw = to_device(rw);
+    sm90::SplitKWorkspace bench_split;
+    bench_split.counters_capacity = int(8 * s.K * (std::max(s.H, 2 * s.I) / 128));  // T <= 8
+    bench_split.partial_floats = int64_t(bench_split.counters_capacity) * sm90::kMaxKSplits * 128 * 16;
+    Buffer split_parts(bench_split.partial_floats * 4, Device::cuda());
+    Buffer split_counts(int64_t(bench_split.counters_capacity) * 4, Device::cuda());
+    MEGAMOE_CUDA_CHECK(cudaMemset(split_counts.data(), 0, split_counts.size()));
+    bench_split.partials = split_parts.as<float>();
+    bench_split.counters = split_counts.as<int32_t>();
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     for (int T : tokens) {
       // Uniform top-k routing without repeats, 4 seeds rotated (different experts each launch).
@@ -690,8 +699,10 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         for (int parts = 1; parts <= sm90::kMaxKSplits; ++parts)
           runs.emplace_back(sm90::GemmTile::kDecode16X2K2, parts);
       }
-      a1.split_k = split_workspace();
-      a2.split_k = split_workspace();
+      // (The forced splits get a workspace for every tile of these launches; the layer's covers
+      // only what kAuto splits.)
+      a1.split_k = bench_split;
+      a2.split_k = bench_split;
       for (const auto& [tile, parts] : runs)
       for (int which = 0; which < 2; ++which) {
         a1.tile = tile;
