@@ -70,12 +70,9 @@ struct GemmParams {
 // (the launcher falls back to the one-k-block twin otherwise).
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
-          int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false, bool kTwoChains_ = false>
+          int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
-  // kTwoChains (overlapped mainloop): each weight block accumulates its k16 steps 0, 2 and 1, 3
-  // in two accumulator sets, added after the K loop: two independent wgmma chains per block.
-  static constexpr bool kTwoChains = kTwoChains_;
   static constexpr bool kAsyncEpilogue = kAsyncEpilogue_;
   static constexpr int kKBlocksPerStage = kKBlocksPerStage_;
   static constexpr bool kStagedEpilogue = kStagedEpilogue_;
@@ -165,7 +162,6 @@ struct GemmConfig {
                 "back (a larger request never completes: the first async version failed its "
                 "launch)");
   static_assert(kNumMathWG * 4 <= 15, "named barriers 1..kNumMathWG");
-  static_assert(!kTwoChains || kOverlapConvert, "two accumulator chains: overlapped mainloop only");
   static_assert(kKBlocksPerStage >= 1 && (kKBlocksPerStage == 1 || kOverlapConvert),
                 "several k-blocks per stage: overlapped mainloop only");
   static_assert(!kAsyncEpilogue || (kStagedEpilogue && kOverlapConvert && kMinBlocksPerSM == 1 &&
@@ -239,16 +235,6 @@ using Decode16X2K2Config = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2>;
 //            are 1.45 waves of 528 slots but 1.94 of 396).
 using Decode16X2K2x3Config = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2>;
 using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
-//   Decode16X2K2Chains / Decode16X2K2x3Chains (candidates): the same tiles with two accumulator
-//            chains per weight block (kTwoChains).
-//            NOTES: why: a decode stage of Decode16X2K2 takes ~1.8 us per CTA at T = 1 and at
-//            T = 8 alike (~900 cycles per 64 x 64 block for ~85 issued instructions per warp):
-//            the four dependent m64n16k16 wgmmas of a block, not the issue slots, set the pace.
-using Decode16X2K2ChainsConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true>;
-using Decode16X2K2x3ChainsConfig = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2, false, true>;
-using Decode16X2ChainsTwinConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true>;
-using Decode16X2x3ChainsTwinConfig = GemmConfig<1, 2, 16, 8, 10, 3, true, false, 1, false, true>;
-using Decode16OverlapChainsConfig = GemmConfig<1, 1, 16, 8, 10, 4, true, false, 1, false, true>;
 //   PrefillK2: the staged 256 x 128 prefill tile with two k-blocks per stage (3 stages of 49 KiB):
 //            kAuto's prefill tile for L1 and L2 outside the PrefillWide range.
 //            NOTES: why: Nsight Compute (Kimi-K3 T = 4096, revision 8708cfb,

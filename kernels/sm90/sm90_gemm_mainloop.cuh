@@ -212,9 +212,6 @@ struct Mainloop {
     const int lm0 = wg * kMBlocksPerWG;
     const int num_k_stages = num_k_blocks / kKSub;
     BlockFrags frags[2];
-    // Cfg::kTwoChains: odd k16 steps accumulate here (added to acc after the K loop).
-    constexpr bool kTwoChains = Cfg::kTwoChains;
-    float acc_odd[kMBlocksPerWG][kTwoChains ? Cfg::kBlockN / 2 : 1];
     ptx::mbar_wait(&full_bars[stage], phase);
     load_convert_block(a_block(smem_a, stage, lm0, 0), sf_block(smem_sf, stage, lm0, 0), tid,
                        frags[0]);
@@ -244,14 +241,8 @@ struct Mainloop {
           ptx::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < kSteps; ++s) {
-            if constexpr (kTwoChains) {
-              ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
-                  (s & 1) ? acc_odd[sub] : acc[sub], frags[cur][s], desc[s],
-                  s < 2 ? scale_d0 : 1u);
-            } else {
-              ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
-                  acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
-            }
+            ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
+                acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
           }
           ptx::wgmma_commit();
           if (sub + 1 < kMBlocksPerWG) {
@@ -283,13 +274,6 @@ struct Mainloop {
       ptx::mbar_arrive(&empty_bars[stage]);
       stage = next_stage;
       phase = next_phase;
-    }
-    if constexpr (kTwoChains) {
-#pragma unroll
-      for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
-#pragma unroll
-        for (int i = 0; i < kN / 2; ++i) acc[sub][i] += acc_odd[sub][i];
-      }
     }
   }
 

@@ -266,16 +266,6 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
     case GemmTile::kPrefillK2:
       launch_k_staged<PrefillK2Config, PrefillStagedConfig, kKind>(p, b_rows, stream);
       return;
-    case GemmTile::kDecode16X2K2Chains:
-      launch_k_staged<Decode16X2K2ChainsConfig, Decode16X2ChainsTwinConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X2K2x3Chains:
-      launch_k_staged<Decode16X2K2x3ChainsConfig, Decode16X2x3ChainsTwinConfig, kKind>(p, b_rows,
-                                                                                      stream);
-      return;
-    case GemmTile::kDecode16OverlapChains:
-      launch_config<Decode16OverlapChainsConfig, kKind>(p, b_rows, stream);
-      return;
     case GemmTile::kPrefillAsyncK2:
       launch_k_staged<PrefillAsyncK2Config, PrefillAsyncK2TwinConfig, kKind>(p, b_rows, stream);
       return;

@@ -73,9 +73,6 @@ enum class GemmTile : int {
   // 26 was kPrefillStaged with the asynchronous epilogue (5 stages), removed: slower than 25.
   kPrefillAsyncK2 = 27,      // kPrefillK2 with the asynchronous epilogue (2 stages)
   kPrefillWideAsync = 28,    // kPrefillWideStaged with the asynchronous epilogue
-  kDecode16X2K2Chains = 29,  // kDecode16X2K2 with two accumulator chains per weight block
-  kDecode16X2K2x3Chains = 30,  // kDecode16X2K2x3 with two accumulator chains
-  kDecode16OverlapChains = 31,  // kDecode16Overlap with two accumulator chains
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
   // (17, 18, 20, 25, 27: when K is not a multiple of 128 they run as their one-k-block twins, 13,

@@ -421,10 +421,7 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
-                                          sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kDecode16X2K2Chains,
-                                          sm90::GemmTile::kDecode16X2K2x3Chains,
-                                          sm90::GemmTile::kDecode16OverlapChains};
+                                          sm90::GemmTile::kPrefillAsyncK2};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -502,8 +499,7 @@ TEST(ReliabilitySanitize, DecodeTilesSplitK) {
   const Problem p = make_problem(1024, 512, {3, 0, 9, 1, 17}, true, 15);
   const Problem q = make_problem(320, 192, {5, 0, 2, 17}, false, 16);
   for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2, sm90::GemmTile::kDecode16Overlap,
-                                    sm90::GemmTile::kDecode16X2,
-                                    sm90::GemmTile::kDecode16OverlapChains}) {
+                                    sm90::GemmTile::kDecode16X2}) {
     for (int parts : {2, 3, 4}) {
       run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile, parts);
       run_l2_case(p, p.rows, true, tile, parts);
@@ -686,9 +682,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X2K2);
         variants.push_back(sm90::GemmTile::kDecode16X4K2);
         variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
-        variants.push_back(sm90::GemmTile::kDecode16X2K2Chains);
-        variants.push_back(sm90::GemmTile::kDecode16X2K2x3Chains);
-        variants.push_back(sm90::GemmTile::kDecode16OverlapChains);
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
