@@ -541,6 +541,17 @@ TEST(Sm90Layer, GraphReplayEqualsEagerAndRunsAreDeterministic) {
   d.routing = Routing::kAdversarial;
   d.fast_math = false;
   check_graph_and_determinism(d, 902);
+  // T = 1: kAuto runs L1 (both shapes) and L2 (small) in split-K parts.
+  LayerCase e;
+  e.shape = "deepseek-v3";
+  e.tokens = 1;
+  e.routing = Routing::kUniform;
+  check_graph_and_determinism(e, 903);
+  LayerCase f;
+  f.shape = "small";
+  f.tokens = 1;
+  f.routing = Routing::kUniform;
+  check_graph_and_determinism(f, 904);
 }
 
 TEST(Sm90Layer, InvalidExpertIdsAreReportedAndTreatedAsEmpty) {
