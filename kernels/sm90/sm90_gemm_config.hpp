@@ -70,7 +70,7 @@ struct GemmParams {
 // (the launcher falls back to the one-k-block twin otherwise).
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
-          int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false>
+          int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false, bool kSplitK_ = false>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
   static constexpr bool kAsyncEpilogue = kAsyncEpilogue_;
@@ -138,9 +138,10 @@ struct GemmConfig {
       kStagedEpilogue ? kStageBlocks * kBlockN * kStagePitch * sizeof(uint16_t) : 0;
   static constexpr size_t kOffSchedule = kOffStage + kStageBytes;
   static constexpr size_t kAlignSlack = 1024;  // the dynamic smem base is re-aligned to 1024
-  // Split-K: one warpgroup owns the whole tile (its accumulators are the tile's partial sums)
-  // and no other warps finish it.
-  static constexpr bool kSupportsSplitK = kNumMathWG == 1 && !kAsyncEpilogue;
+  // Split-K (kSplitK_): the kernel takes GemmParams::k_splits. Only configs where one warpgroup
+  // owns the whole tile (its accumulators are the tile's partial sums) and no other warps finish
+  // it. A separate config, so that the kernels of unsplit launches carry none of its code.
+  static constexpr bool kSupportsSplitK = kSplitK_;
   // FP32 partials of one work unit: the warpgroup's accumulators, [block][BLOCK_N / 2][thread].
   static constexpr int kSplitUnitFloats = kMBlocksPerWG * (kBlockN / 2) * kWarpgroupThreads;
 
@@ -164,6 +165,8 @@ struct GemmConfig {
   static_assert(kNumMathWG * 4 <= 15, "named barriers 1..kNumMathWG");
   static_assert(kKBlocksPerStage >= 1 && (kKBlocksPerStage == 1 || kOverlapConvert),
                 "several k-blocks per stage: overlapped mainloop only");
+  static_assert(!kSplitK_ || (kNumMathWG == 1 && !kAsyncEpilogue),
+                "split-K: one math warpgroup owns the tile");
   static_assert(!kAsyncEpilogue || (kStagedEpilogue && kOverlapConvert && kMinBlocksPerSM == 1 &&
                                     kNumMathWG == 2),
                 "the asynchronous epilogue: staged, overlapped, one CTA per SM, two math warpgroups");
@@ -235,6 +238,10 @@ using Decode16X2K2Config = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2>;
 //            are 1.45 waves of 528 slots but 1.94 of 396).
 using Decode16X2K2x3Config = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2>;
 using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
+//   Decode16X2K2Split / its twin: Decode16X2K2 (Decode16X2Overlap) taking k_splits: kAuto's tile
+//            for decode launches whose tiles leave at least half the CTA slots idle.
+using Decode16X2K2SplitConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true>;
+using Decode16X2OverlapSplitConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true>;
 //   PrefillK2: the staged 256 x 128 prefill tile with two k-blocks per stage (3 stages of 49 KiB):
 //            kAuto's prefill tile for L1 and L2 outside the PrefillWide range.
 //            NOTES: why: Nsight Compute (Kimi-K3 T = 4096, revision 8708cfb,

@@ -115,9 +115,10 @@ template <class Cfg, GemmKind kKind>
 void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
   auto* kernel = &sm90_grouped_gemm_bf16_mxfp4_kernel<Cfg, kKind>;
   if (p.k_splits > 1) {
-    MEGAMOE_CHECK_ARG(Cfg::kSupportsSplitK, "sm90 gemm: k_splits: the tile (", Cfg::kBlockM,
-                      " x ", Cfg::kBlockN, ", ", Cfg::kNumMathWG,
-                      " math warpgroups) runs unsplit; expected k_splits <= 1, got ", p.k_splits);
+    MEGAMOE_CHECK_ARG(Cfg::kSupportsSplitK, "sm90 gemm: k_splits: only tile kDecode16X2K2Split (",
+                      static_cast<int>(GemmTile::kDecode16X2K2Split),
+                      ") splits K; this tile runs unsplit: expected k_splits <= 1, got ",
+                      p.k_splits);
     const int stages = p.k / Cfg::kBlockK / Cfg::kKBlocksPerStage;
     MEGAMOE_CHECK_ARG(p.k_splits <= stages, "sm90 gemm: k_splits: expected at most the ", stages,
                       " pipeline stages of K = ", p.k, ", got ", p.k_splits);
@@ -192,19 +193,19 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
     const bool three_per_sm =
         wave_fill(x2_tiles, sms * kDecodeCtasPerSm3) >= 1.1 * wave_fill(x2_tiles, slots);
     // With a split-K workspace, launches with at most half as many 128-row tiles as CTA slots
-    // run them in K parts (Decode16X2K2, 4 CTAs per SM) instead of the 64-row tile.
-    const int64_t x2_stages = p.k / Decode16X2K2Config::kBlockK /
-                              ((p.k / Decode16X2K2Config::kBlockK) %
-                                           Decode16X2K2Config::kKBlocksPerStage == 0
-                                   ? Decode16X2K2Config::kKBlocksPerStage
+    // run them in K parts (Decode16X2K2Split, 4 CTAs per SM) instead of the 64-row tile.
+    const int64_t x2_stages = p.k / Decode16X2K2SplitConfig::kBlockK /
+                              ((p.k / Decode16X2K2SplitConfig::kBlockK) %
+                                           Decode16X2K2SplitConfig::kKBlocksPerStage == 0
+                                   ? Decode16X2K2SplitConfig::kKBlocksPerStage
                                    : 1);
     const int parts = split_k_parts(x2_tiles, slots, x2_stages);
     const bool split = auto_splits && p.split_partials != nullptr && parts > 1 &&
                        x2_tiles <= p.split_counters_capacity &&
-                       x2_tiles * parts * Decode16X2K2Config::kSplitUnitFloats <=
+                       x2_tiles * parts * Decode16X2K2SplitConfig::kSplitUnitFloats <=
                            p.split_partial_floats;
     const GemmTile decode_overlap =
-        split                                               ? GemmTile::kDecode16X2K2
+        split                                               ? GemmTile::kDecode16X2K2Split
         : x2_tiles * kDecodeFillDen < slots * kDecodeFillNum ? GemmTile::kDecode16Overlap
         : three_per_sm                                      ? GemmTile::kDecode16X2K2x3
                                                             : GemmTile::kDecode16X2K2;
@@ -266,6 +267,9 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
     case GemmTile::kPrefillK2:
       launch_k_staged<PrefillK2Config, PrefillStagedConfig, kKind>(p, b_rows, stream);
       return;
+    case GemmTile::kDecode16X2K2Split:
+      launch_k_staged<Decode16X2K2SplitConfig, Decode16X2OverlapSplitConfig, kKind>(p, b_rows, stream);
+      return;
     case GemmTile::kPrefillAsyncK2:
       launch_k_staged<PrefillAsyncK2Config, PrefillAsyncK2TwinConfig, kKind>(p, b_rows, stream);
       return;
@@ -322,7 +326,7 @@ int split_k_counters() {
 int64_t split_k_partial_floats() {
   // At most one unit per CTA slot (~4 MiB on an H200).
   return static_cast<int64_t>(cuda::device_info().sm_count) * kDecodeCtasPerSm *
-         Decode16X2K2Config::kSplitUnitFloats;
+         Decode16X2K2SplitConfig::kSplitUnitFloats;
 }
 
 void launch_l1(const L1Args& a, cudaStream_t stream) {

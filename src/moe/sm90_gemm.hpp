@@ -73,6 +73,7 @@ enum class GemmTile : int {
   // 26 was kPrefillStaged with the asynchronous epilogue (5 stages), removed: slower than 25.
   kPrefillAsyncK2 = 27,      // kPrefillK2 with the asynchronous epilogue (2 stages)
   kPrefillWideAsync = 28,    // kPrefillWideStaged with the asynchronous epilogue
+  kDecode16X2K2Split = 29,   // kDecode16X2K2 taking k_splits (split-K; the only tile that does)
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
   // (17, 18, 20, 25, 27: when K is not a multiple of 128 they run as their one-k-block twins, 13,
@@ -121,7 +122,7 @@ struct L1Args {
   GemmTile tile = GemmTile::kAuto;      // tile configuration (kAuto: chosen from rows_bound)
   SplitKWorkspace split_k;              // optional (empty: never split)
   int k_splits = 0;                     // 0: kAuto's choice; 1: unsplit; n in [2, kMaxKSplits]:
-                                        // n parts (one-warpgroup decode tiles; needs split_k)
+                                        // n parts (tile kDecode16X2K2Split; needs split_k)
 };
 
 struct L2Args {

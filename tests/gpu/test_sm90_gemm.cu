@@ -411,6 +411,7 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
 constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kDecode16X2K2,
     sm90::GemmTile::kDecode16X2K2x3,
+    sm90::GemmTile::kDecode16X2K2Split,   // unsplit here (k_splits 0 on a forced tile)
     sm90::GemmTile::kDecode16X2Overlap,   // kDecode16X2K2's twin when K % 128 != 0
     sm90::GemmTile::kDecode16X2Overlap3,  // kDecode16X2K2x3's twin
     sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillWideAsync,
@@ -489,18 +490,16 @@ TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
   }
 }
 
-// Split-K on the one-warpgroup decode tiles (kAuto uses it with Decode16X2K2 when a decode
-// launch has few tiles): 2..4 K parts of 4 or 8 stages (K2), and of 3 or 5 one-k-block stages
-// (K = 192, 320: the twins), partial tiles, empty experts, bias, several units per CTA (more
+// Split-K (tile kDecode16X2K2Split, kAuto's when a decode launch has few tiles): 1..4 K parts
+// of 4 or 8 stages (K2), and of 3 or 5 one-k-block stages (K = 192, 320: the twin), partial tiles, empty experts, bias, several units per CTA (more
 // units than a small problem's tiles), compared with the same reference; the counters must be
 // back to zero after every launch. Small enough for compute-sanitizer.
 TEST(ReliabilitySanitize, DecodeTilesSplitK) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(1024, 512, {3, 0, 9, 1, 17}, true, 15);
   const Problem q = make_problem(320, 192, {5, 0, 2, 17}, false, 16);
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2, sm90::GemmTile::kDecode16Overlap,
-                                    sm90::GemmTile::kDecode16X2}) {
-    for (int parts : {2, 3, 4}) {
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2Split}) {
+    for (int parts : {1, 2, 3, 4}) {
       run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile, parts);
       run_l2_case(p, p.rows, true, tile, parts);
       run_l1_case(q, q.rows, Activation::situ(4.0f, 25.0f), false, false, tile, parts);
@@ -524,8 +523,9 @@ TEST(Sm90Gemm, SplitKRejectsWhatCannotSplit) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {3, 1}, false, 18);
   EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kPrefillK2, 2));
-  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2, 3));  // 2 stages
-  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2, 5));
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2, 2));  // unsplit tile
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2Split, 3));  // 2 stages
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2Split, 5));
 }
 
 // The staged-epilogue prefill tiles (stmatrix staging; the asynchronous epilogue's handshake
@@ -692,12 +692,12 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2);
         variants.push_back(sm90::GemmTile::kPrefillWideAsync);
       }
-      // Split-K (T <= 8): the 128-row decode tile forced with 1..kMaxKSplits K parts.
+      // Split-K (T <= 8): the 128-row split tile forced with 1..kMaxKSplits K parts.
       std::vector<std::pair<sm90::GemmTile, int>> runs;
       for (const sm90::GemmTile tile : variants) runs.emplace_back(tile, 0);
       if (T <= 8) {
         for (int parts = 1; parts <= sm90::kMaxKSplits; ++parts)
-          runs.emplace_back(sm90::GemmTile::kDecode16X2K2, parts);
+          runs.emplace_back(sm90::GemmTile::kDecode16X2K2Split, parts);
       }
       // (The forced splits get a workspace for every tile of these launches; the layer's covers
       // only what kAuto splits.)
