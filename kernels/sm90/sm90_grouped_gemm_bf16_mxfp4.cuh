@@ -138,13 +138,16 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       s_offsets, s_prefix, p.num_experts, total_m_blocks, m_tiles};
   const int num_tiles = sched.total_tiles();
   // Work units: tile t, K part sp = unit u / splits, u % splits (the parts of a tile run on
-  // neighbouring CTAs at about the same time). Part sp covers stages [sp S / splits,
-  // (sp + 1) S / splits) of the S = num_k_blocks / kKBlocksPerStage stages (the launcher keeps
-  // splits <= S, so no part is empty).
+  // neighbouring CTAs at about the same time). k_begin(sp, parts): part sp's first k-block,
+  // covering stages [sp S / parts, (sp + 1) S / parts) of the S = num_k_blocks /
+  // kKBlocksPerStage stages (the launcher keeps parts <= S, so no part is empty); the producer
+  // and the math warpgroups both take their k range from it.
   const int splits = split_k_units<Cfg>(p, num_tiles);
   const int num_units = num_tiles * splits;
   const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
-  auto k_begin = [&](int sp) { return sp * num_k_stages / splits * Cfg::kKBlocksPerStage; };
+  auto k_begin = [&](int sp, int parts) {
+    return sp * num_k_stages / parts * Cfg::kKBlocksPerStage;
+  };
 
   if (wg == Cfg::kNumMathWG) {
     if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
@@ -197,7 +200,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     constexpr int kKSub = Cfg::kKBlocksPerStage;
     for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
       const TileInfo tile = sched.get(u / splits);
-      const int kb_begin = k_begin(u % splits), kb_end = k_begin(u % splits + 1);
+      const int kb_begin = k_begin(u % splits, splits), kb_end = k_begin(u % splits + 1, splits);
       const uint32_t stage_bytes =
           tile.num_m_blocks * (sm90_layout::kBlockBytes + sm90_layout::kSfBlockBytes) * kKSub +
           Cfg::kSmemBBytes;
@@ -234,14 +237,14 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     int stage = 0;
     uint32_t phase = 0;
     // NOTES: the split count is re-read (from the schedule in shared memory) where it is used
-    // after the mainloop instead of kept live across it: the decode tiles run at the register
-    // cap of 4 CTAs per SM, and the live values spilled (24 bytes, Decode16X2K2 L1).
+    // after the mainloop instead of kept live across it: the split tile runs at the register cap
+    // of 4 CTAs per SM, where the live values spilled (24 bytes, L1; measured when the split
+    // path was still compiled into Decode16X2K2).
     auto live_splits = [&] { return split_k_units<Cfg>(p, sched.total_tiles()); };
     for (int u = blockIdx.x; u < sched.total_tiles() * live_splits(); u += gridDim.x) {
       const int n_splits = live_splits();
       const TileInfo tile = sched.get(u / n_splits);
-      const int unit_k_blocks = (u % n_splits + 1) * num_k_stages / n_splits * Cfg::kKBlocksPerStage -
-                                u % n_splits * num_k_stages / n_splits * Cfg::kKBlocksPerStage;
+      const int unit_k_blocks = k_begin(u % n_splits + 1, n_splits) - k_begin(u % n_splits, n_splits);
       bool valid[Cfg::kMBlocksPerWG];
 #pragma unroll
       for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {

@@ -140,6 +140,14 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
   MEGAMOE_CUDA_CHECK_LAUNCH();
 }
 
+// Pipeline stages of K for a config launched through launch_k_staged (its twin, one k-block per
+// stage, when K is not a multiple of its stage depth).
+template <class Cfg>
+int64_t k_staged_stages(int64_t k) {
+  const int64_t k_blocks = k / sm90_layout::kBlockK;
+  return k_blocks % Cfg::kKBlocksPerStage == 0 ? k_blocks / Cfg::kKBlocksPerStage : k_blocks;
+}
+
 // A config with several k-blocks per stage when K is a multiple of its stage depth, else its
 // one-k-block twin (same tile, same function).
 template <class Cfg, class Twin, GemmKind kKind>
@@ -194,12 +202,9 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
         wave_fill(x2_tiles, sms * kDecodeCtasPerSm3) >= 1.1 * wave_fill(x2_tiles, slots);
     // With a split-K workspace, launches with at most half as many 128-row tiles as CTA slots
     // run them in K parts (Decode16X2K2Split, 4 CTAs per SM) instead of the 64-row tile.
-    const int64_t x2_stages = p.k / Decode16X2K2SplitConfig::kBlockK /
-                              ((p.k / Decode16X2K2SplitConfig::kBlockK) %
-                                           Decode16X2K2SplitConfig::kKBlocksPerStage == 0
-                                   ? Decode16X2K2SplitConfig::kKBlocksPerStage
-                                   : 1);
-    const int parts = split_k_parts(x2_tiles, slots, x2_stages);
+    const int parts = split_k_parts(x2_tiles, slots,
+                                    k_staged_stages<Decode16X2K2SplitConfig>(p.k));
+    // (The kernel repeats the capacity check on the actual tile count and runs unsplit if it fails.)
     const bool split = auto_splits && p.split_partials != nullptr && parts > 1 &&
                        x2_tiles <= p.split_counters_capacity &&
                        x2_tiles * parts * Decode16X2K2SplitConfig::kSplitUnitFloats <=
@@ -213,10 +218,8 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
       // NOTES: no overlapped 8-row decode tile: its first version wrote h_q/h_act that disagreed
       // on the H200 (device run at dbab4e4) and was removed; overlap uses the 16-row tiles here.
       tile = overlap ? decode_overlap : GemmTile::kDecode8;
-      if (overlap && split) p.k_splits = parts;
     } else if (avg <= (overlap ? kDecodeOverlapMaxAvgRows : kDecodeMaxAvgRows)) {
       tile = overlap ? decode_overlap : GemmTile::kDecode16;
-      if (overlap && split) p.k_splits = parts;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
       tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillWideAsync : GemmTile::kPrefillWideStaged;
     } else if (overlap) {
@@ -224,6 +227,7 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
     } else {
       tile = GemmTile::kPrefill;
     }
+    if (tile == GemmTile::kDecode16X2K2Split) p.k_splits = parts;  // kAuto picks it only to split
   }
   switch (tile) {
     case GemmTile::kDecode8: launch_config<Decode8Config, kKind>(p, b_rows, stream); return;

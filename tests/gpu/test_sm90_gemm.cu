@@ -114,21 +114,26 @@ std::vector<T> to_host(const Buffer& b, size_t n) {
   return v;
 }
 
+// A split-K workspace with its buffers (counters zeroed, as the layer does).
+struct SplitWorkspace {
+  Buffer partials, counters;
+  sm90::SplitKWorkspace ws;
+  SplitWorkspace(int counters_capacity, int64_t partial_floats)
+      : partials(partial_floats * 4, Device::cuda()),
+        counters(int64_t(counters_capacity) * 4, Device::cuda()) {
+    MEGAMOE_CUDA_CHECK(cudaMemset(counters.data(), 0, counters.size()));
+    ws.partials = partials.as<float>();
+    ws.partial_floats = partial_floats;
+    ws.counters = counters.as<int32_t>();
+    ws.counters_capacity = counters_capacity;
+  }
+};
+
 // One split-K workspace for every launch of the tests (the layer's sizes); after each launch its
 // counters must be back to zero (check_split_counters_zero).
 const sm90::SplitKWorkspace& split_workspace() {
-  static Buffer partials, counters;
-  static sm90::SplitKWorkspace ws;
-  if (ws.empty()) {
-    ws.partial_floats = sm90::split_k_partial_floats();
-    ws.counters_capacity = sm90::split_k_counters();
-    partials = Buffer(ws.partial_floats * 4, Device::cuda());
-    counters = Buffer(int64_t(ws.counters_capacity) * 4, Device::cuda());
-    MEGAMOE_CUDA_CHECK(cudaMemset(counters.data(), 0, counters.size()));
-    ws.partials = partials.as<float>();
-    ws.counters = counters.as<int32_t>();
-  }
-  return ws;
+  static const SplitWorkspace shared(sm90::split_k_counters(), sm90::split_k_partial_floats());
+  return shared.ws;
 }
 
 void check_split_counters_zero() {
@@ -627,14 +632,9 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
     Buffer out(max_rows * s.H * 2, Device::cuda());
     std::vector<float> rw(max_rows, 0.5f);
     Buffer d_rw = to_device(rw);
-    sm90::SplitKWorkspace bench_split;
-    bench_split.counters_capacity = int(8 * s.K * (std::max(s.H, 2 * s.I) / 128));  // T <= 8
-    bench_split.partial_floats = int64_t(bench_split.counters_capacity) * sm90::kMaxKSplits * 128 * 16;
-    Buffer split_parts(bench_split.partial_floats * 4, Device::cuda());
-    Buffer split_counts(int64_t(bench_split.counters_capacity) * 4, Device::cuda());
-    MEGAMOE_CUDA_CHECK(cudaMemset(split_counts.data(), 0, split_counts.size()));
-    bench_split.partials = split_parts.as<float>();
-    bench_split.counters = split_counts.as<int32_t>();
+    const int bench_split_tiles = int(8 * s.K * (std::max(s.H, 2 * s.I) / 128));  // T <= 8
+    const SplitWorkspace bench_split(bench_split_tiles,
+                                     int64_t(bench_split_tiles) * sm90::kMaxKSplits * 128 * 16);
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     for (int T : tokens) {
       // Uniform top-k routing without repeats, 4 seeds rotated (different experts each launch).
@@ -701,8 +701,8 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
       }
       // (The forced splits get a workspace for every tile of these launches; the layer's covers
       // only what kAuto splits.)
-      a1.split_k = bench_split;
-      a2.split_k = bench_split;
+      a1.split_k = bench_split.ws;
+      a2.split_k = bench_split.ws;
       for (const auto& [tile, parts] : runs)
       for (int which = 0; which < 2; ++which) {
         a1.tile = tile;
