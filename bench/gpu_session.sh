@@ -13,6 +13,7 @@
 #               crash reproduction of issue 6
 #   gemmbench   the grouped-GEMM benchmark of every tile config (Sm90GemmBench.*)
 #   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3, default and opt-in tiles
+#               (LAYERBENCH_SERIAL=1: also the serial tiles; LAYERBENCH_NOPDL=1: also plain launches)
 #   ncu         Nsight Compute on the GEMMs of `megamoe bench` (NCU_RUNS, NCU_FULL)
 #   reliability tests/gpu/run_reliability.sh (REL_PART: all, soak or sanitizers)
 #   peers       the side-by-side comparison with the peers (bench/peers/compare.py)
@@ -139,7 +140,14 @@ for step in $STEPS; do
         >"$OUT/layer_serial.txt" 2>&1
       echo "exit $?" >>"$OUT/layer_serial.txt"
     fi
-    tail -n 2 "$OUT/layer_default.txt" "$OUT/layer_serial.txt" >>"$LOG" 2>/dev/null ;;
+    if [ "${LAYERBENCH_NOPDL:-0}" = 1 ]; then
+      # The same with plain launches (no programmatic dependent launch): what PDL gains.
+      MEGAMOE_PDL=0 timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 \
+        --git-rev "$(cat REVISION 2>/dev/null || echo unknown)-nopdl" --json "$OUT/layer_nopdl.jsonl" \
+        >"$OUT/layer_nopdl.txt" 2>&1
+      echo "exit $?" >>"$OUT/layer_nopdl.txt"
+    fi
+    tail -n 2 "$OUT/layer_default.txt" "$OUT/layer_serial.txt" "$OUT/layer_nopdl.txt" >>"$LOG" 2>/dev/null ;;
   ncu)
     # Where the GEMMs' time goes: the first NCU_COUNT (default 2: L1 and L2) grouped-GEMM launches
     # of `megamoe bench --shape S --tokens T` for each S:T[:TILE] in NCU_RUNS (default

@@ -89,6 +89,26 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (griddepcontrol). Both are no-ops in a grid that was not launched
+// with cudaLaunchAttributeProgrammaticStreamSerialization.
+// ---------------------------------------------------------------------------------------------
+// Waits until the previous grid of the stream has completed and its memory operations are
+// visible to this grid. Nothing written by that grid may be read, and nothing it reads may be
+// written, before this returns.
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// Lets the next grid of the stream (if launched programmatically) be scheduled once every CTA of
+// this grid has executed it or exited; the first call in a CTA counts, later ones are no-ops.
+// NOTES: every megamoe kernel calls it only after its own grid_dependency_wait(), so a grid that
+// starts running knows that its predecessor's predecessor has completed: the layer's GEMMs read
+// row_offsets (written by route, two launches back) before their own wait (sm90_layer.cu).
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // L2 policy for data read exactly once (streamed weights).
 __device__ __forceinline__ uint64_t policy_evict_first() {
   uint64_t policy;

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "megamoe/formats.hpp"
+#include "ptx/sm90_ptx.cuh"
 
 namespace megamoe::sm90 {
 
@@ -28,6 +29,8 @@ __global__ void __launch_bounds__(kCombineBlockThreads)
 sm90_combine_topk_bf16_kernel(const uint16_t* __restrict__ out,
                               const int32_t* __restrict__ slot_to_row, uint32_t num_tokens,
                               int32_t top_k, uint32_t hidden, uint16_t* __restrict__ y) {
+  ptx::grid_dependency_wait();  // PDL: L2's out is read below
+  ptx::launch_dependents();
   const uint32_t chunks_per_row = hidden / kCombineVec;
   const uint32_t total = num_tokens * chunks_per_row;
   const uint32_t stride = gridDim.x * blockDim.x;

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "megamoe/formats.hpp"
+#include "ptx/sm90_ptx.cuh"
 
 namespace megamoe::sm90 {
 
@@ -36,6 +37,8 @@ sm90_gather_dequant_e4m3_bf16_kernel(const uint8_t* __restrict__ x_q,
                                      const int32_t* __restrict__ row_slot, int32_t num_local,
                                      uint32_t top_k, uint32_t hidden, int64_t max_rows,
                                      uint16_t* __restrict__ act) {
+  ptx::grid_dependency_wait();  // PDL: route's outputs are read below
+  ptx::launch_dependents();
   const uint32_t chunks_per_row = hidden / kGatherVec;
   const uint32_t num_rows =
       static_cast<uint32_t>(min(static_cast<int64_t>(__ldg(row_offsets + num_local)), max_rows));

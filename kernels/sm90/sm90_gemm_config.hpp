@@ -51,6 +51,11 @@ struct GemmParams {
   int64_t split_partial_floats = 0;
   int32_t* split_counters = nullptr;     // [split_counters_capacity], zero-initialized
   int split_counters_capacity = 0;
+  // Programmatic dependent launch (L1Args / L2Args::programmatic): build the schedule from
+  // row_offsets and issue the first stages' weight copies before waiting for the previous kernel
+  // of the stream (configs without setmaxnreg; the others wait first). 0: wait first (also
+  // correct in a plainly launched grid, where the wait is a no-op).
+  int prefetch_before_wait = 0;
 };
 
 // One tile configuration. The CTA has kNumMathWG consumer warpgroups (each kMBlocksPerWG

@@ -56,7 +56,9 @@ __device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_
                                int max_rows, int m_tiles, int32_t* s_offsets, int32_t* s_prefix) {
   __shared__ int32_t s_warp_sums[kThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  for (int e = tid; e <= num_experts; e += kThreads) s_offsets[e] = __ldg(row_offsets + e);
+  // NOTES: ld.global.cg (L2), not the read-only path: with programmatic dependent launch this
+  // runs before the grid's dependency wait (GemmParams::prefetch_before_wait).
+  for (int e = tid; e <= num_experts; e += kThreads) s_offsets[e] = __ldcg(row_offsets + e);
   __syncthreads();
   for (int e = tid; e < num_experts; e += kThreads) {
     const int lo = s_offsets[e], hi = s_offsets[e + 1];

@@ -131,6 +131,17 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     ptx::mbar_init_fence();
     ptx::prefetch_tensor_map(&tmap_b);
   }
+  // Programmatic dependent launch (GemmParams::prefetch_before_wait): the schedule and the first
+  // stages' weight copies come before the wait for the previous kernel; without it, everything
+  // comes after (the wait is a no-op in a plainly launched grid).
+  // NOTES: only the configs without setmaxnreg prefetch: in the prefill configs the producer
+  // runs at 40 registers, where the prefetch code spilled (PrefillK2 L1: 4 bytes), and their
+  // launches last milliseconds, so a few microseconds of overlap do not matter there.
+  const bool prefetch = !Cfg::kUseSetMaxNReg && p.prefetch_before_wait != 0;
+  if (!prefetch) {
+    ptx::grid_dependency_wait();
+    ptx::launch_dependents();
+  }
   build_schedule<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows, m_tiles,
                                               s_offsets, s_prefix);
   __syncthreads();
@@ -195,31 +206,55 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     // ================================ producer ================================
     if (threadIdx.x != Cfg::kNumMathWG * Cfg::kWarpgroupThreads) return;
     const uint64_t policy = ptx::policy_evict_first();
-    int stage = 0;
-    uint32_t phase = 0;
     constexpr int kKSub = Cfg::kKBlocksPerStage;
-    for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
-      const TileInfo tile = sched.get(u / splits);
-      const int kb_begin = k_begin(u % splits, splits), kb_end = k_begin(u % splits + 1, splits);
+    // One stage's weight and scale copies (expected bytes: the whole stage, B included).
+    auto copy_weights = [&](const TileInfo& tile, int kb, int stage) {
       const uint32_t stage_bytes =
           tile.num_m_blocks * (sm90_layout::kBlockBytes + sm90_layout::kSfBlockBytes) * kKSub +
           Cfg::kSmemBBytes;
       const int64_t block_base =
           (static_cast<int64_t>(tile.expert) * total_m_blocks + tile.m_block0) * num_k_blocks;
+      ptx::mbar_arrive_expect_tx(&full_bars[stage], stage_bytes);
+      // Weight block m's kKSub k-blocks (and their scales) are contiguous in the sm90 layout.
+      for (int m = 0; m < tile.num_m_blocks; ++m) {
+        const int64_t block = block_base + static_cast<int64_t>(m) * num_k_blocks + kb;
+        ptx::bulk_copy_g2s(smem_a + stage * Cfg::kSmemABytes + m * kKSub * sm90_layout::kBlockBytes,
+                           p.w + block * sm90_layout::kBlockBytes, kKSub * sm90_layout::kBlockBytes,
+                           &full_bars[stage], policy);
+        ptx::bulk_copy_g2s(
+            smem_sf + stage * Cfg::kSmemSfBytes + m * kKSub * sm90_layout::kSfBlockBytes,
+            p.sf + block * sm90_layout::kSfBlockBytes, kKSub * sm90_layout::kSfBlockBytes,
+            &full_bars[stage], policy);
+      }
+    };
+    // PDL: the weights do not depend on the previous kernel, so the first unit's first stages
+    // (stages 0.. of phase 0, whose empty barriers are free) get their weight copies now; the
+    // loop below then issues only their B boxes (act / h_act: written by the previous kernel).
+    int ahead = 0;
+    if (prefetch) {
+      const int u = blockIdx.x;
+      if (u < num_units) {
+        const TileInfo tile = sched.get(u / splits);
+        const int kb_end = k_begin(u % splits + 1, splits);
+        for (int kb = k_begin(u % splits, splits); kb < kb_end && ahead < Cfg::kNumStages;
+             kb += kKSub) {
+          copy_weights(tile, kb, ahead++);
+        }
+      }
+      ptx::grid_dependency_wait();
+      ptx::launch_dependents();
+    }
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
+      const TileInfo tile = sched.get(u / splits);
+      const int kb_begin = k_begin(u % splits, splits), kb_end = k_begin(u % splits + 1, splits);
       for (int kb = kb_begin; kb < kb_end; kb += kKSub) {
-        ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
-        ptx::mbar_arrive_expect_tx(&full_bars[stage], stage_bytes);
-        // Weight block m's kKSub k-blocks (and their scales) are contiguous in the sm90 layout.
-        for (int m = 0; m < tile.num_m_blocks; ++m) {
-          const int64_t block = block_base + static_cast<int64_t>(m) * num_k_blocks + kb;
-          ptx::bulk_copy_g2s(
-              smem_a + stage * Cfg::kSmemABytes + m * kKSub * sm90_layout::kBlockBytes,
-              p.w + block * sm90_layout::kBlockBytes, kKSub * sm90_layout::kBlockBytes,
-              &full_bars[stage], policy);
-          ptx::bulk_copy_g2s(
-              smem_sf + stage * Cfg::kSmemSfBytes + m * kKSub * sm90_layout::kSfBlockBytes,
-              p.sf + block * sm90_layout::kSfBlockBytes, kKSub * sm90_layout::kSfBlockBytes,
-              &full_bars[stage], policy);
+        if (ahead > 0) {
+          --ahead;  // weights already issued (same unit, k-block and stage)
+        } else {
+          ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
+          copy_weights(tile, kb, stage);
         }
 #pragma unroll
         for (int j = 0; j < kKSub; ++j) {
@@ -232,6 +267,10 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   } else {
     // ================================ math ================================
     if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_inc<Cfg::kMathRegs>();
+    if (prefetch) {
+      ptx::grid_dependency_wait();  // before the first output store (PDL)
+      ptx::launch_dependents();
+    }
     using ML = Mainloop<Cfg>;
     float acc[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2];
     int stage = 0;

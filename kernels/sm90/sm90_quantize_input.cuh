@@ -17,6 +17,7 @@
 
 #include "megamoe/formats.hpp"
 #include "megamoe/quantize.hpp"
+#include "ptx/sm90_ptx.cuh"
 
 namespace megamoe::sm90 {
 
@@ -30,6 +31,9 @@ static_assert(32 % kQuantThreadsPerGroup == 0, "a group's lanes must sit inside 
 __global__ void __launch_bounds__(kQuantBlockThreads)
 sm90_quantize_input_bf16_e4m3_kernel(const uint16_t* __restrict__ x, int64_t num_chunks,
                                      uint8_t* __restrict__ x_q, uint8_t* __restrict__ x_sf) {
+  // PDL: x_q / x_sf may still be read by the previous layer call's gather until this returns.
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   constexpr unsigned kFullMask = 0xFFFFFFFFu;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   // NOTES: the loop bound is rounded up to whole warps so every lane reaches the shuffles.

@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "sm90/sm90_route_types.hpp"
+#include "ptx/sm90_ptx.cuh"
 
 namespace megamoe::sm90 {
 
@@ -68,6 +69,9 @@ sm90_route_topk_kernel(const RouteParams p, int num_warps) {
   const int64_t segment = (p.num_slots + num_warps - 1) / num_warps;
 
   for (int i = threadIdx.x; i < hist_size; i += blockDim.x) hist[i] = 0;
+  // PDL: the previous kernel's outputs (and its reads of ours) are settled past this point.
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   __syncthreads();
 
   // ---- pass 1: per-warp histograms ----

@@ -13,6 +13,7 @@
 #include "megamoe/error.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/cuda_device.hpp"
+#include "runtime/cuda_launch.hpp"
 #include "sm90/sm90_grouped_gemm_bf16_mxfp4.cuh"
 
 namespace megamoe::sm90 {
@@ -136,8 +137,7 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
   const CUtensorMap map =
       make_rows_map(b_rows, static_cast<int64_t>(p.max_rows) + kRowSlack, p.k, Cfg::kBlockN);
   const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
-  kernel<<<grid, Cfg::kThreads, smem, stream>>>(map, p);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
+  cuda::launch(kernel, grid, Cfg::kThreads, smem, stream, p.prefetch_before_wait != 0, map, p);
 }
 
 // Pipeline stages of K for a config launched through launch_k_staged (its twin, one k-block per
@@ -364,6 +364,7 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
   p.h_sf = a.h_sf;
   p.h_act = a.h_act;
   set_split_k(p, a.split_k, a.k_splits, "launch_l1");
+  p.prefetch_before_wait = a.programmatic ? 1 : 0;
   launch<GemmKind::kL1>(p, a.rows_bound, a.tile, a.act, stream);
 }
 
@@ -391,6 +392,7 @@ void launch_l2(const L2Args& a, cudaStream_t stream) {
   p.intermediate = static_cast<int>(a.intermediate);
   p.out = a.out;
   set_split_k(p, a.split_k, a.k_splits, "launch_l2");
+  p.prefetch_before_wait = a.programmatic ? 1 : 0;
   launch<GemmKind::kL2>(p, a.rows_bound, a.tile, a.h_act, stream);
 }
 

@@ -123,6 +123,14 @@ struct L1Args {
   SplitKWorkspace split_k;              // optional (empty: never split)
   int k_splits = 0;                     // 0: kAuto's choice; 1: unsplit; n in [2, kMaxKSplits]:
                                         // n parts (tile kDecode16X2K2Split; needs split_k)
+  // Programmatic dependent launch (runtime/cuda_launch.hpp): the kernel may start while the
+  // previous kernel of the stream still runs; it builds its tile schedule from row_offsets and
+  // issues its first weight copies at once, and waits for that kernel before it reads act /
+  // h_act, row_weights or the split-K workspace and before it writes anything. So row_offsets
+  // must not be written by the previous kernel itself: Sm90Layer's route runs two launches
+  // earlier (route, gather, L1, L2), and every megamoe kernel lets its successor start only after
+  // its own wait, so route has completed when L1 or L2 starts.
+  bool programmatic = false;
 };
 
 struct L2Args {
@@ -141,6 +149,7 @@ struct L2Args {
   GemmTile tile = GemmTile::kAuto;      // as in L1Args
   SplitKWorkspace split_k;              // as in L1Args
   int k_splits = 0;                     // as in L1Args
+  bool programmatic = false;            // as in L1Args
 };
 
 #if defined(MEGAMOE_WITH_CUDA)

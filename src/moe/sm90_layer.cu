@@ -3,6 +3,8 @@
 #include "moe/sm90_layer.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "megamoe/error.hpp"
 #include "moe/sm90_gemm.hpp"
@@ -168,6 +170,16 @@ void Sm90Layer::init_workspace() {
 
 Sm90Layer::~Sm90Layer() = default;
 
+// MEGAMOE_PDL=0 (read once per process) makes plain launches the default: for measuring what
+// programmatic dependent launch gains, and as a switch should a driver mishandle it.
+bool Sm90Layer::programmatic_launch_default() {
+  static const bool on = [] {
+    const char* v = std::getenv("MEGAMOE_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
 void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                         int64_t num_tokens, uint16_t* y, cudaStream_t stream, Stage last) {
   MEGAMOE_CHECK(num_tokens >= 0 && num_tokens <= config_.max_tokens_per_rank,
@@ -179,7 +191,11 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   const int64_t slots = num_tokens * s.top_k;
   auto done = [&](Stage stage) { return static_cast<int>(stage) >= static_cast<int>(last); };
 
-  launch_quantize_input(x, num_tokens, s.hidden, view_.x_q, view_.x_sf, stream);
+  // The six launches form a programmatic-dependent-launch chain (set_programmatic_launch): each
+  // kernel starts while its predecessor finishes and waits for it on the device; the GEMMs also
+  // build their schedules and start streaming weights before that wait (L1Args::programmatic).
+  const bool pdl = programmatic_;
+  launch_quantize_input(x, num_tokens, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
   if (done(Stage::kQuantize)) return;
 
   RouteParams rp{};
@@ -194,11 +210,11 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   rp.row_slot = view_.row_slot;
   rp.row_weights = view_.row_weights;
   rp.error = view_.error;
-  launch_route(rp, stream);
+  launch_route(rp, stream, pdl);
   if (done(Stage::kRoute)) return;
 
   launch_gather(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local, s.top_k,
-                s.hidden, slots, view_.act, stream);
+                s.hidden, slots, view_.act, stream, pdl);
   if (done(Stage::kGather)) return;
 
   L1Args l1;
@@ -219,6 +235,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l1.h_sf = view_.h_sf;
   l1.h_act = view_.h_act;
   l1.split_k = view_.split_k;
+  l1.programmatic = pdl;
   launch_l1(l1, stream);
   if (done(Stage::kL1)) return;
 
@@ -236,10 +253,11 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l2.w2_bias = weights_->has_bias() ? weights_->w2_bias.as<uint16_t>() : nullptr;
   l2.out = view_.out;
   l2.split_k = view_.split_k;
+  l2.programmatic = pdl;
   launch_l2(l2, stream);
   if (done(Stage::kL2)) return;
 
-  launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream);
+  launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream, pdl);
 }
 
 void Sm90Layer::check_errors(cudaStream_t stream) {

@@ -85,6 +85,13 @@ class Sm90Layer {
   // expert ids (the record is cleared first, so the next check starts clean).
   void check_errors(cudaStream_t stream);
 
+  // Programmatic dependent launch of the six kernels (runtime/cuda_launch.hpp): each starts while
+  // its predecessor finishes and waits for it on the device; results are the same bit for bit.
+  // On by default; MEGAMOE_PDL=0 in the environment makes the default off.
+  void set_programmatic_launch(bool on) { programmatic_ = on; }
+  bool programmatic_launch() const { return programmatic_; }
+  static bool programmatic_launch_default();
+
   const LayerConfig& config() const { return config_; }
   const MoeWeights& weights() const { return *weights_; }
   int device() const { return device_; }
@@ -102,6 +109,7 @@ class Sm90Layer {
   int64_t max_rows_ = 0;
   Buffer workspace_;
   WorkspaceView view_;
+  bool programmatic_ = programmatic_launch_default();
 };
 
 }  // namespace megamoe::sm90

@@ -8,6 +8,7 @@
 #include "megamoe/error.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/cuda_device.hpp"
+#include "runtime/cuda_launch.hpp"
 #include "sm90/sm90_combine.cuh"
 #include "sm90/sm90_gather.cuh"
 #include "sm90/sm90_quantize_input.cuh"
@@ -35,7 +36,7 @@ void check_aligned(const char* arg, const void* ptr, int64_t alignment) {
 }  // namespace
 
 void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden, uint8_t* x_q,
-                           uint8_t* x_sf, cudaStream_t stream) {
+                           uint8_t* x_sf, cudaStream_t stream, bool programmatic) {
   MEGAMOE_CHECK_ARG(hidden > 0 && hidden % kScaleBlock == 0,
                     "quantize_input: expected hidden a positive multiple of ", kScaleBlock,
                     ", got ", hidden);
@@ -44,9 +45,8 @@ void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden
   check_aligned("quantize_input x", x, 16);
   check_aligned("quantize_input x_q", x_q, 8);
   const int64_t num_chunks = num_tokens * hidden / kQuantVec;
-  sm90_quantize_input_bf16_e4m3_kernel<<<grid_for(num_chunks, kQuantBlockThreads),
-                                         kQuantBlockThreads, 0, stream>>>(x, num_chunks, x_q, x_sf);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
+  cuda::launch(sm90_quantize_input_bf16_e4m3_kernel, grid_for(num_chunks, kQuantBlockThreads),
+               kQuantBlockThreads, 0, stream, programmatic, x, num_chunks, x_q, x_sf);
 }
 
 int route_num_warps(int64_t num_local) {
@@ -78,7 +78,7 @@ void configure_route_smem(size_t smem_bytes) {
   configured[device] = smem_bytes;
 }
 
-void launch_route(const RouteParams& params, cudaStream_t stream) {
+void launch_route(const RouteParams& params, cudaStream_t stream, bool programmatic) {
   MEGAMOE_CHECK_ARG(params.num_slots >= 0 && params.num_slots <= INT32_MAX,
                     "route: expected 0 <= T*K <= 2^31-1, got ", params.num_slots);
   MEGAMOE_CHECK_ARG(params.num_local > 0 && params.first_local >= 0 &&
@@ -95,13 +95,13 @@ void launch_route(const RouteParams& params, cudaStream_t stream) {
       (params.num_slots + slots_per_warp - 1) / slots_per_warp, 1, route_num_warps(params.num_local)));
   const size_t smem = static_cast<size_t>(num_warps) * params.num_local * sizeof(int32_t);
   configure_route_smem(smem);
-  sm90_route_topk_kernel<<<1, kRouteMaxWarps * kRouteWarpSize, smem, stream>>>(params, num_warps);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
+  cuda::launch(sm90_route_topk_kernel, 1, kRouteMaxWarps * kRouteWarpSize, smem, stream,
+               programmatic, params, num_warps);
 }
 
 void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_offsets,
                    const int32_t* row_slot, int64_t num_local, int64_t top_k, int64_t hidden,
-                   int64_t max_rows, uint16_t* act, cudaStream_t stream) {
+                   int64_t max_rows, uint16_t* act, cudaStream_t stream, bool programmatic) {
   MEGAMOE_CHECK_ARG(hidden > 0 && hidden % kScaleBlock == 0,
                     "gather: expected hidden a positive multiple of ", kScaleBlock, ", got ", hidden);
   MEGAMOE_CHECK_ARG(top_k > 0, "gather: expected top_k > 0, got ", top_k);
@@ -111,16 +111,15 @@ void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_o
   const int64_t work = max_rows * (hidden / kGatherVec);
   MEGAMOE_CHECK(work < (int64_t{1} << 32), ErrorCode::kUnsupported, "gather: ", max_rows,
                 " rows x ", hidden, " channels exceed the kernel's 32-bit item index");
-  sm90_gather_dequant_e4m3_bf16_kernel<<<grid_for(work, kGatherBlockThreads), kGatherBlockThreads,
-                                         0, stream>>>(x_q, x_sf, row_offsets, row_slot,
-                                                      static_cast<int32_t>(num_local),
-                                                      static_cast<uint32_t>(top_k),
-                                                      static_cast<uint32_t>(hidden), max_rows, act);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
+  cuda::launch(sm90_gather_dequant_e4m3_bf16_kernel, grid_for(work, kGatherBlockThreads),
+               kGatherBlockThreads, 0, stream, programmatic, x_q, x_sf, row_offsets, row_slot,
+               static_cast<int32_t>(num_local), static_cast<uint32_t>(top_k),
+               static_cast<uint32_t>(hidden), max_rows, act);
 }
 
 void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num_tokens,
-                    int64_t top_k, int64_t hidden, uint16_t* y, cudaStream_t stream) {
+                    int64_t top_k, int64_t hidden, uint16_t* y, cudaStream_t stream,
+                    bool programmatic) {
   MEGAMOE_CHECK_ARG(hidden > 0 && hidden % kCombineVec == 0,
                     "combine: expected hidden a positive multiple of ", kCombineVec, ", got ",
                     hidden);
@@ -131,11 +130,10 @@ void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num
   const int64_t work = num_tokens * (hidden / kCombineVec);
   MEGAMOE_CHECK(work < (int64_t{1} << 32), ErrorCode::kUnsupported, "combine: ", num_tokens,
                 " tokens x ", hidden, " channels exceed the kernel's 32-bit item index");
-  sm90_combine_topk_bf16_kernel<<<grid_for(work, kCombineBlockThreads), kCombineBlockThreads, 0,
-                                  stream>>>(out, slot_to_row, static_cast<uint32_t>(num_tokens),
-                                            static_cast<int32_t>(top_k),
-                                            static_cast<uint32_t>(hidden), y);
-  MEGAMOE_CUDA_CHECK_LAUNCH();
+  cuda::launch(sm90_combine_topk_bf16_kernel, grid_for(work, kCombineBlockThreads),
+               kCombineBlockThreads, 0, stream, programmatic, out, slot_to_row,
+               static_cast<uint32_t>(num_tokens), static_cast<int32_t>(top_k),
+               static_cast<uint32_t>(hidden), y);
 }
 
 }  // namespace megamoe::sm90

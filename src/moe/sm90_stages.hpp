@@ -9,6 +9,9 @@
 // All launchers are asynchronous on `stream`, allocate nothing and never synchronize, so a layer
 // call made of them can be captured in a CUDA graph. Pointers are device pointers; each launcher
 // checks its host-known arguments (sizes, alignment) and throws kInvalidArgument naming them.
+// programmatic = true launches the kernel as a programmatic dependent of the previous kernel in
+// the stream (runtime/cuda_launch.hpp): it starts before that kernel has finished and waits for
+// it on the device before touching memory. Sm90Layer chains its six launches this way.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +24,7 @@
 namespace megamoe::sm90 {
 
 void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden, uint8_t* x_q,
-                           uint8_t* x_sf, cudaStream_t stream);
+                           uint8_t* x_sf, cudaStream_t stream, bool programmatic = false);
 
 // Largest warp count whose histograms fit in shared memory for `num_local` experts
 // (>= 1; throws kUnsupported when not even one warp's histogram fits).
@@ -31,15 +34,17 @@ int route_num_warps(int64_t num_local);
 // not a stream operation; launch_route calls it too, Sm90Layer at construction).
 void configure_route_smem(size_t smem_bytes);
 
-void launch_route(const RouteParams& params, cudaStream_t stream);
+void launch_route(const RouteParams& params, cudaStream_t stream, bool programmatic = false);
 
 // max_rows: host-known bound on routed rows (T * K).
 void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_offsets,
                    const int32_t* row_slot, int64_t num_local, int64_t top_k, int64_t hidden,
-                   int64_t max_rows, uint16_t* act, cudaStream_t stream);
+                   int64_t max_rows, uint16_t* act, cudaStream_t stream,
+                   bool programmatic = false);
 
 void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num_tokens,
-                    int64_t top_k, int64_t hidden, uint16_t* y, cudaStream_t stream);
+                    int64_t top_k, int64_t hidden, uint16_t* y, cudaStream_t stream,
+                    bool programmatic = false);
 
 }  // namespace megamoe::sm90
 #endif  // MEGAMOE_WITH_CUDA

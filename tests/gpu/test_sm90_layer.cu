@@ -554,6 +554,107 @@ TEST(Sm90Layer, GraphReplayEqualsEagerAndRunsAreDeterministic) {
   check_graph_and_determinism(f, 904);
 }
 
+// Programmatic dependent launch changes timing only: three calls on two inputs (A, B, A) issued
+// back to back without synchronization, eagerly and as one captured graph, give bit for bit the
+// outputs of plain launches with a synchronization after each call. Back-to-back calls are where
+// a wait placed too late would show: each call's quantize / gather overwrite buffers the previous
+// call's kernels read, and the GEMMs start streaming weights before the previous kernel ends.
+void check_programmatic_launch(const LayerCase& c, uint64_t seed) {
+  SCOPED_TRACE(c.describe());
+  LayerConfig config;
+  auto layer = make_layer(c, &config);
+  const LayerShape& s = config.shape;
+  const int64_t t = c.tokens;
+  struct Input {
+    DeviceArray<uint16_t> x;
+    DeviceArray<int32_t> idx;
+    DeviceArray<float> w;
+  };
+  auto make_input = [&](uint64_t sd) {
+    const auto routing = test::make_routing(c.routing, t, s.num_experts, s.top_k, sd,
+                                            c.empty_fraction, config.first_local_expert());
+    return Input{DeviceArray<uint16_t>(test::make_inputs(t, s.hidden, sd)),
+                 DeviceArray<int32_t>(routing.idx), DeviceArray<float>(routing.weights)};
+  };
+  const Input in[2] = {make_input(seed), make_input(seed + 1)};
+  constexpr int kOrder[3] = {0, 1, 0};
+  DeviceArray<uint16_t> dy[3] = {DeviceArray<uint16_t>(t * s.hidden),
+                                 DeviceArray<uint16_t>(t * s.hidden),
+                                 DeviceArray<uint16_t>(t * s.hidden)};
+  cudaStream_t stream;
+  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto run_calls = [&](bool sync_each) {
+    for (int i = 0; i < 3; ++i) {
+      const Input& x = in[kOrder[i]];
+      layer->forward(x.x.get(), x.idx.get(), x.w.get(), t, dy[i].get(), stream);
+      if (sync_each) MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+  };
+  auto outputs = [&] {
+    layer->check_errors(stream);
+    std::vector<std::vector<uint16_t>> ys;
+    for (auto& y : dy) ys.push_back(y.download(t * s.hidden));
+    return ys;
+  };
+  auto clear = [&] {
+    for (auto& y : dy) y.fill_bytes(0xFF);
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());  // the fills are done before the stream's calls
+  };
+
+  layer->set_programmatic_launch(false);
+  clear();
+  run_calls(true);
+  const auto plain = outputs();
+  ASSERT_NE(plain[0], plain[1]) << "the two inputs must give different outputs";
+  EXPECT_EQ(plain[2], plain[0]) << "plain launches: the same input gave different outputs";
+
+  layer->set_programmatic_launch(true);
+  clear();
+  run_calls(false);
+  const auto chained = outputs();
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(chained[i], plain[i]) << "programmatic, eager: call " << i;
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  run_calls(false);
+  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    clear();
+    MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    const auto g = outputs();
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(g[i], plain[i]) << "programmatic, graph replay " << replay << ": call " << i;
+    }
+  }
+  MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  MEGAMOE_CUDA_CHECK(cudaGraphDestroy(graph));
+  MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(Sm90Layer, ProgrammaticLaunchChangesNothingButTiming) {
+  MEGAMOE_REQUIRE_SM90();
+  LayerCase a;  // T = 1: the decode tiles (L1 split-K), weights prefetched before the wait
+  a.shape = "deepseek-v3";
+  a.tokens = 1;
+  a.routing = Routing::kUniform;
+  check_programmatic_launch(a, 910);
+  LayerCase b;  // Kimi-K3 (EP 8) at T = 64: the 128-row decode tile, several waves
+  b.shape = "kimi-k3";
+  b.ep_size = 8;
+  b.ep_rank = 3;
+  b.tokens = 64;
+  b.routing = Routing::kSkewed;
+  check_programmatic_launch(b, 911);
+  LayerCase d;  // prefill tiles (setmaxnreg: they wait first), empty experts
+  d.shape = "small";
+  d.tokens = 4096;
+  d.routing = Routing::kSkewed;
+  d.empty_fraction = 0.1;
+  check_programmatic_launch(d, 912);
+}
+
 TEST(Sm90Layer, InvalidExpertIdsAreReportedAndTreatedAsEmpty) {
   MEGAMOE_REQUIRE_SM90();
   LayerCase c;
