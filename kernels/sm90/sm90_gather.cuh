@@ -7,9 +7,15 @@
 // carries exactly the quantized input and L1 on BF16 tensor cores stays exact (numerics.md 8).
 // NaN codes stay NaN.
 //
-// Thread mapping: one thread per kGatherVec = 8 channels of a row (8-byte load of codes, 16-byte
-// store of BF16). The grid covers the host-known bound T*K rows; rows at or past
+// Thread mapping: one thread per kGatherVec = 16 channels of a row (16-byte load of codes, two
+// 16-byte stores of BF16). The grid covers the host-known bound T*K rows; rows at or past
 // row_offsets[E_l] (not routed to this rank) exit at once.
+// Conversion: cvt.rn.f16x2.e4m3x2 and cvt.f32.f16 (exact), one FMUL by the power-of-two scale
+// (exact), cvt.rn.bf16x2.f32 (exact here, so the bits of bf16_from_f32; a NaN code gives the
+// canonical BF16 NaN 0x7FFF, still NaN as the contract asks).
+// NOTES: the software decode (megamoe::e4m3_to_f32, bf16_from_f32: ~12 instructions per value)
+// and 8 channels per thread kept the kernel instruction-bound at ~1.7 TB/s of reads + writes,
+// 6-7 % of the layer at T = 8192 (H200, bfaad7c).
 #pragma once
 
 #include <cstdint>
@@ -19,13 +25,9 @@
 
 namespace megamoe::sm90 {
 
-constexpr int kGatherVec = 8;
+constexpr int kGatherVec = 16;
 constexpr int kGatherBlockThreads = 256;
 static_assert(kScaleBlock % kGatherVec == 0, "a thread's channels share one scale");
-
-__device__ __forceinline__ uint32_t gather_pack_bf16x2(float lo, float hi) {
-  return static_cast<uint32_t>(bf16_from_f32(lo)) | (static_cast<uint32_t>(bf16_from_f32(hi)) << 16);
-}
 
 // max_rows = T * K. The launcher guarantees max_rows * H / kGatherVec < 2^32, so work items are
 // indexed in 32 bits. NOTES: with 64-bit indices the two divisions per item (row of the item,
@@ -48,22 +50,22 @@ sm90_gather_dequant_e4m3_bf16_kernel(const uint8_t* __restrict__ x_q,
     const uint32_t r = i / chunks_per_row;
     const uint32_t c = i - r * chunks_per_row;
     const uint32_t t = static_cast<uint32_t>(__ldg(row_slot + r)) / top_k;
-    const uint2 codes =
-        __ldg(reinterpret_cast<const uint2*>(x_q + static_cast<size_t>(t) * hidden) + c);
+    const uint4 codes =
+        __ldg(reinterpret_cast<const uint4*>(x_q + static_cast<size_t>(t) * hidden) + c);
     const int b = __ldg(x_sf + static_cast<size_t>(t) * (hidden / kScaleBlock) +
                         (c * kGatherVec) / kScaleBlock);
     const float scale = ue8m0_to_f32(static_cast<uint8_t>(b));
-    const uint32_t words[2] = {codes.x, codes.y};
+    const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
     uint32_t out[kGatherVec / 2];
 #pragma unroll
     for (int j = 0; j < kGatherVec / 2; ++j) {
-      const uint32_t w = words[j / 2] >> (16 * (j % 2));
-      const float lo = e4m3_to_f32(static_cast<uint8_t>(w & 0xFFu)) * scale;
-      const float hi = e4m3_to_f32(static_cast<uint8_t>((w >> 8) & 0xFFu)) * scale;
-      out[j] = gather_pack_bf16x2(lo, hi);
+      float lo, hi;
+      ptx::e4m3x2_to_f32x2(static_cast<uint16_t>(words[j / 2] >> (16 * (j % 2))), lo, hi);
+      out[j] = ptx::cvt_bf16x2_rn(lo * scale, hi * scale);
     }
-    reinterpret_cast<uint4*>(act + static_cast<size_t>(r) * hidden)[c] =
-        make_uint4(out[0], out[1], out[2], out[3]);
+    uint4* dst = reinterpret_cast<uint4*>(act + static_cast<size_t>(r) * hidden) + 2 * c;
+    dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
+    dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
   }
 }
 

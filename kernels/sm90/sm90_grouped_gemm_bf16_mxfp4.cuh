@@ -138,10 +138,12 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   // runs at 40 registers, where the prefetch code spilled (PrefillK2 L1: 4 bytes), and their
   // launches last milliseconds, so a few microseconds of overlap do not matter there.
   const bool prefetch = !Cfg::kUseSetMaxNReg && p.prefetch_before_wait != 0;
-  if (!prefetch) {
-    ptx::grid_dependency_wait();
-    ptx::launch_dependents();
-  }
+  // The next kernel may start once every CTA's producer has issued its last copies (below).
+  // NOTES: with the successor allowed to start right after the wait (as the small stage kernels
+  // do) the layer measured slower at DeepSeek-V3 T = 8 (477 -> 507 us) and Kimi-K3 T = 512
+  // (6471 -> 6631; H200, 2081190), presumably because the successor's CTAs, placed on the SMs
+  // that finish first, compete for bandwidth with the CTAs that finish last.
+  if (!prefetch) ptx::grid_dependency_wait();
   build_schedule<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows, m_tiles,
                                               s_offsets, s_prefix);
   __syncthreads();
@@ -242,7 +244,6 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         }
       }
       ptx::grid_dependency_wait();
-      ptx::launch_dependents();
     }
     int stage = 0;
     uint32_t phase = 0;
@@ -264,13 +265,11 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
       }
     }
+    ptx::launch_dependents();  // this CTA's copies are all issued (PDL; see the setup)
   } else {
     // ================================ math ================================
     if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_inc<Cfg::kMathRegs>();
-    if (prefetch) {
-      ptx::grid_dependency_wait();  // before the first output store (PDL)
-      ptx::launch_dependents();
-    }
+    if (prefetch) ptx::grid_dependency_wait();  // before the first output store (PDL)
     using ML = Mainloop<Cfg>;
     float acc[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2];
     int stage = 0;

@@ -106,7 +106,7 @@ void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_o
                     "gather: expected hidden a positive multiple of ", kScaleBlock, ", got ", hidden);
   MEGAMOE_CHECK_ARG(top_k > 0, "gather: expected top_k > 0, got ", top_k);
   if (max_rows == 0) return;
-  check_aligned("gather x_q", x_q, 8);
+  check_aligned("gather x_q", x_q, 16);
   check_aligned("gather act", act, 16);
   const int64_t work = max_rows * (hidden / kGatherVec);
   MEGAMOE_CHECK(work < (int64_t{1} << 32), ErrorCode::kUnsupported, "gather: ", max_rows,
