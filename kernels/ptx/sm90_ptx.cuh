@@ -102,9 +102,9 @@ __device__ __forceinline__ void grid_dependency_wait() {
 
 // Lets the next grid of the stream (if launched programmatically) be scheduled once every CTA of
 // this grid has executed it or exited; the first call in a CTA counts, later ones are no-ops.
-// NOTES: every megamoe kernel calls it only after its own grid_dependency_wait(), so a grid that
-// starts running knows that its predecessor's predecessor has completed: the layer's GEMMs read
-// row_offsets (written by route, two launches back) before their own wait (sm90_layer.cu).
+// NOTES: every megamoe kernel that calls it does so only after its own grid_dependency_wait(),
+// so a grid that starts running knows that its predecessor's predecessor has completed: the
+// layer's GEMMs read row_offsets (written by route, two launches back) before their own wait.
 __device__ __forceinline__ void launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }

@@ -39,8 +39,10 @@ sm90_gather_dequant_e4m3_bf16_kernel(const uint8_t* __restrict__ x_q,
                                      const int32_t* __restrict__ row_slot, int32_t num_local,
                                      uint32_t top_k, uint32_t hidden, int64_t max_rows,
                                      uint16_t* __restrict__ act) {
-  ptx::grid_dependency_wait();  // PDL: route's outputs are read below
-  ptx::launch_dependents();
+  // PDL: route's outputs are read below. No early launch_dependents: the next kernel (L1) is a
+  // persistent GEMM whose CTAs, started while gather's blocks still hold SMs, would be placed
+  // unevenly (sm90_grouped_gemm_bf16_mxfp4.cuh); it starts when gather's blocks have exited.
+  ptx::grid_dependency_wait();
   const uint32_t chunks_per_row = hidden / kGatherVec;
   const uint32_t num_rows =
       static_cast<uint32_t>(min(static_cast<int64_t>(__ldg(row_offsets + num_local)), max_rows));

@@ -138,11 +138,14 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   // runs at 40 registers, where the prefetch code spilled (PrefillK2 L1: 4 bytes), and their
   // launches last milliseconds, so a few microseconds of overlap do not matter there.
   const bool prefetch = !Cfg::kUseSetMaxNReg && p.prefetch_before_wait != 0;
-  // The next kernel may start once every CTA's producer has issued its last copies (below).
-  // NOTES: with the successor allowed to start right after the wait (as the small stage kernels
-  // do) the layer measured slower at DeepSeek-V3 T = 8 (477 -> 507 us) and Kimi-K3 T = 512
-  // (6471 -> 6631; H200, 2081190), presumably because the successor's CTAs, placed on the SMs
-  // that finish first, compete for bandwidth with the CTAs that finish last.
+  // No launch_dependents: the next kernel starts when this grid's CTAs have exited.
+  // NOTES: CTA b takes tiles b, b + grid, ..., so the CTAs below num_tiles % grid have one tile
+  // more, and with 3-4 CTAs per SM the launch is balanced only because plainly launched CTAs are
+  // spread round-robin over the SMs. A programmatic launch places the CTAs of a GEMM started
+  // while its predecessor still holds SMs on the free SMs first, consecutive blockIdx together:
+  // DeepSeek-V3 L1 at T = 8 (3.5 tiles per CTA) measured 1.11x slower (310 -> 343 us, H200,
+  // dce201d; also with the successor released only after this grid's last copies, 2081190).
+  // Hence neither the GEMMs nor gather (L1's predecessor) release their successor early.
   if (!prefetch) ptx::grid_dependency_wait();
   build_schedule<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows, m_tiles,
                                               s_offsets, s_prefix);
@@ -265,7 +268,6 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
       }
     }
-    ptx::launch_dependents();  // this CTA's copies are all issued (PDL; see the setup)
   } else {
     // ================================ math ================================
     if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_inc<Cfg::kMathRegs>();
