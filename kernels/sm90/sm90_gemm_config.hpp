@@ -260,12 +260,12 @@ using PrefillK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2>;
 //   Prefill*Async (kAsyncEpilogue): the math warpgroups stage each tile's results in shared memory
 //            and go on with the next tile; the producer warpgroup's warps 1..3 finish them (L1:
 //            activation and requantization, L2: 16-byte row stores). PrefillWideAsync is kAuto's
-//            L1 tile in the PrefillWide range (1.04-1.09x over PrefillWideStaged); PrefillAsyncK2
-//            is a candidate (best only at Kimi-K3 T = 4096 L1, 1.03x over PrefillK2).
+//            tile in the PrefillWide range, L1 and L2 (1.02-1.09x over PrefillWideStaged since
+//            22bacc4; src/moe/sm90_gemm.cu); PrefillAsyncK2 is a candidate (best only at Kimi-K3
+//            T = 4096 L1, 1.03x over PrefillK2).
 //            NOTES: why: at Kimi-K3 T = 4096 the L1 epilogue took 29 % of the math warps' time
-//            (ncu, 8708cfb) while the tensor cores idled. Async L2 lost to the staged L2 in the
-//            math warpgroups, and the 256 x 128 async tile with one k-block per stage (5 stages)
-//            lost to PrefillK2: removed.
+//            (ncu, 8708cfb) while the tensor cores idled. The 256 x 128 async tile with one
+//            k-block per stage (5 stages) lost to PrefillK2: removed.
 //            Stages: PrefillAsyncK2 keeps the whole tile's staging (72 KiB), so 2 stages fit.
 using PrefillAsyncK2Config = GemmConfig<2, 2, 128, 16, 2, 1, true, true, 2, true>;
 using PrefillAsyncK2TwinConfig = GemmConfig<2, 2, 128, 16, 5, 1, true, true, 1, true>;

@@ -73,10 +73,13 @@ constexpr int64_t kDecode8MaxAvgRows = 4;
 // Average rows in (112, 166] (overlapped configs only): the 128 x 192 tiles (PrefillWide) hold an
 // expert's rows in one n-tile (uniform routing spreads counts by ~sqrt(avg), so ~1.15 x avg stays
 // within 192) where 256 x 128 tiles would split most experts into 128 + a small remainder.
-// L1 runs the asynchronous epilogue there (PrefillWideAsync: 1.04x at Kimi-K3 T = 8192, 1.09x at
-// DeepSeek-V3 T = 4096 over PrefillWideStaged), L2 the staged epilogue in the math warpgroups
-// (PrefillWideStaged: 1.08x faster than the async tile at Kimi-K3 T = 8192, 0.94x at DeepSeek-V3
-// T = 4096). Outside that range both GEMMs run PrefillK2 (256 x 128, two k-blocks per stage):
+// Both GEMMs run the asynchronous epilogue there (PrefillWideAsync): for L1 1.04x at Kimi-K3
+// T = 8192, 1.09x at DeepSeek-V3 T = 4096 over PrefillWideStaged (59c5d80); for L2 1.02-1.09x over
+// PrefillWideStaged in each of the last three runs (Kimi-K3 T = 8192 474 / 472 / 479 TFLOP/s
+// against 458 / 448 / 471, DeepSeek-V3 T = 4096 434 / 428 / 455 against 422 / 410 / 416; H200,
+// 22bacc4, bfaad7c, b59f869), where at 59c5d80 the staged tile had led at Kimi-K3 T = 8192
+// (1.08x); L2 ran PrefillWideStaged until then. Outside that range both GEMMs run PrefillK2
+// (256 x 128, two k-blocks per stage):
 // 1.07-1.36x over the former PrefillStaged (L1) / PrefillOverlap (L2) picks at T >= 4096 (H200,
 // revision 59c5d80, bench/results/gemm_bench_59c5d80.txt).
 constexpr int64_t kWideMinAvgRows = 112;
@@ -221,7 +224,7 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
     } else if (avg <= (overlap ? kDecodeOverlapMaxAvgRows : kDecodeMaxAvgRows)) {
       tile = overlap ? decode_overlap : GemmTile::kDecode16;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
-      tile = kKind == GemmKind::kL1 ? GemmTile::kPrefillWideAsync : GemmTile::kPrefillWideStaged;
+      tile = GemmTile::kPrefillWideAsync;
     } else if (overlap) {
       tile = GemmTile::kPrefillK2;
     } else {
