@@ -22,6 +22,15 @@
 #include "ptx/sm90_ptx.cuh"
 #include "ptx/sm90_wgmma_bf16_rs.cuh"
 
+// MEGAMOE_DIAG_MAINLOOP (measurement builds only, never set by the build files): 1 replaces the
+// conversion of the overlapped mainloop by a copy of the loaded words (the wgmmas, loads and
+// barriers stay), 2 leaves only the barrier waits and arrivals (the weight and B copies still
+// stream). The results are wrong; the GEMM benchmark then times the pipeline without the
+// conversion, or the copies alone (docs/perf.md, "How it is measured").
+#ifndef MEGAMOE_DIAG_MAINLOOP
+#define MEGAMOE_DIAG_MAINLOOP 0
+#endif
+
 namespace megamoe::sm90 {
 
 __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t sf_word, int byte) {
@@ -152,6 +161,15 @@ struct Mainloop {
     const int warp = tid / 32, g = (tid % 32) / 4;
     const uint4 wv = ptx::ld_shared_v4(a_blk + tid * sm90_layout::kThreadBytes);
     const uint32_t sfw = ptx::ld_shared_u32(sf_blk + (warp * 8 + g) * 4);
+    if constexpr (MEGAMOE_DIAG_MAINLOOP == 1) {
+      const uint32_t words[kSteps] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) frags[s][i] = words[s] ^ (sfw << i);
+      }
+      return;
+    }
     // E2M1 x 2^-126 as BF16x2 per A register (sign and magnitude bits moved into place).
     uint32_t bits[kSteps][4];
     const uint32_t words[kSteps] = {wv.x, wv.y, wv.z, wv.w};
@@ -207,6 +225,19 @@ struct Mainloop {
       const uint8_t* smem_sf, uint64_t* full_bars, uint64_t* empty_bars, int num_k_blocks, int wg,
       int tid, int& stage, uint32_t& phase) {
     static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "wgmma N");
+    if constexpr (MEGAMOE_DIAG_MAINLOOP == 2) {
+#pragma unroll
+      for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
+#pragma unroll
+        for (int i = 0; i < Cfg::kBlockN / 2; ++i) acc[sub][i] = 0.0f;
+      }
+      for (int ks = 0; ks < num_k_blocks / Cfg::kKBlocksPerStage; ++ks) {
+        ptx::mbar_wait(&full_bars[stage], phase);
+        ptx::mbar_arrive(&empty_bars[stage]);
+        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+      }
+      return;
+    }
     constexpr bool kStaticSets = kMBlocksPerWG % 2 == 0;
     constexpr int kKSub = Cfg::kKBlocksPerStage;
     const int lm0 = wg * kMBlocksPerWG;
