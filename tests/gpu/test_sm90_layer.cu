@@ -473,6 +473,29 @@ TEST(Sm90Layer, KimiK3Ep8) {
 // ---------------------------------------------------------------------------------------------
 // Graph replay, determinism, errors
 // ---------------------------------------------------------------------------------------------
+// A CUDA graph of the work `issue` puts on `stream` (captured in global mode), instantiated.
+class StreamGraph {
+ public:
+  template <class F>
+  StreamGraph(cudaStream_t stream, F&& issue) {
+    MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    issue();
+    MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
+    MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~StreamGraph() {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  StreamGraph(const StreamGraph&) = delete;
+  StreamGraph& operator=(const StreamGraph&) = delete;
+  void launch(cudaStream_t stream) const { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 void check_graph_and_determinism(const LayerCase& c, uint64_t seed) {
   SCOPED_TRACE(c.describe());
   LayerConfig config;
@@ -501,22 +524,17 @@ void check_graph_and_determinism(const LayerCase& c, uint64_t seed) {
   EXPECT_EQ(again.h_q, eager.h_q) << "run-to-run: h_q differs";
   EXPECT_EQ(again.slot_to_row, eager.slot_to_row) << "run-to-run: slot_to_row differs";
 
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), stream);
-  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const StreamGraph graph(stream, [&] {
+    layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), stream);
+  });
   for (int replay = 0; replay < 3; ++replay) {
     dy.fill_bytes(0xFF);
-    MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch(stream);
     layer->check_errors(stream);
     const LayerRun g = download_run(*layer, t, dy);
     EXPECT_EQ(g.y, eager.y) << "graph replay " << replay << ": y differs from eager";
     EXPECT_EQ(g.h_q, eager.h_q) << "graph replay " << replay << ": h_q differs from eager";
   }
-  MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  MEGAMOE_CUDA_CHECK(cudaGraphDestroy(graph));
   MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
@@ -614,22 +632,15 @@ void check_programmatic_launch(const LayerCase& c, uint64_t seed) {
   const auto chained = outputs();
   for (int i = 0; i < 3; ++i) EXPECT_EQ(chained[i], plain[i]) << "programmatic, eager: call " << i;
 
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  run_calls(false);
-  MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const StreamGraph graph(stream, [&] { run_calls(false); });
   for (int replay = 0; replay < 2; ++replay) {
     clear();
-    MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch(stream);
     const auto g = outputs();
     for (int i = 0; i < 3; ++i) {
       EXPECT_EQ(g[i], plain[i]) << "programmatic, graph replay " << replay << ": call " << i;
     }
   }
-  MEGAMOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  MEGAMOE_CUDA_CHECK(cudaGraphDestroy(graph));
   MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
