@@ -277,6 +277,9 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
     case GemmTile::kDecode16X2K2Split:
       launch_k_staged<Decode16X2K2SplitConfig, Decode16X2OverlapSplitConfig, kKind>(p, b_rows, stream);
       return;
+    case GemmTile::kDecode8X2K2:
+      launch_k_staged<Decode8X2K2Config, Decode8X2OverlapConfig, kKind>(p, b_rows, stream);
+      return;
     case GemmTile::kPrefillAsyncK2:
       launch_k_staged<PrefillAsyncK2Config, PrefillAsyncK2TwinConfig, kKind>(p, b_rows, stream);
       return;

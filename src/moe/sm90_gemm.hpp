@@ -74,10 +74,11 @@ enum class GemmTile : int {
   kPrefillAsyncK2 = 27,      // kPrefillK2 with the asynchronous epilogue (2 stages)
   kPrefillWideAsync = 28,    // kPrefillWideStaged with the asynchronous epilogue
   kDecode16X2K2Split = 29,   // kDecode16X2K2 taking k_splits (split-K; the only tile that does)
+  kDecode8X2K2 = 30,         // 128 x 8, overlapped, two k-blocks per stage, 4 stages (candidate)
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
-  // (17, 18, 20, 25, 27: when K is not a multiple of 128 they run as their one-k-block twins, 13,
-  // 15, 16, 9 and the 5-stage async 256 x 128 tile)
+  // (17, 18, 20, 25, 27, 30: when K is not a multiple of 128 they run as their one-k-block twins,
+  // 13, 15, 16, 9, the 5-stage async 256 x 128 tile and the 8-stage 128 x 8 overlapped tile)
 };
 
 // Split-K workspace (optional). kAuto cuts the K loop of a decode launch into parts run as

@@ -427,7 +427,8 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
-                                          sm90::GemmTile::kPrefillAsyncK2};
+                                          sm90::GemmTile::kPrefillAsyncK2,
+                                          sm90::GemmTile::kDecode8X2K2};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -682,6 +683,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X2K2);
         variants.push_back(sm90::GemmTile::kDecode16X4K2);
         variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
+        if (T <= 8) variants.push_back(sm90::GemmTile::kDecode8X2K2);  // 8 rows hold T <= 8
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
