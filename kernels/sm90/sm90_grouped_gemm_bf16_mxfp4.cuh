@@ -141,11 +141,12 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   // No launch_dependents: the next kernel starts when this grid's CTAs have exited.
   // NOTES: CTA b takes tiles b, b + grid, ..., so the CTAs below num_tiles % grid have one tile
   // more, and with 3-4 CTAs per SM the launch is balanced only because plainly launched CTAs are
-  // spread round-robin over the SMs. A programmatic launch places the CTAs of a GEMM started
-  // while its predecessor still holds SMs on the free SMs first, consecutive blockIdx together:
-  // DeepSeek-V3 L1 at T = 8 (3.5 tiles per CTA) measured 1.11x slower (310 -> 343 us, H200,
-  // dce201d; also with the successor released only after this grid's last copies, 2081190).
-  // Hence neither the GEMMs nor gather (L1's predecessor) release their successor early.
+  // spread round-robin over the SMs. A GEMM launched programmatically and started while its
+  // predecessor still holds SMs gets its CTAs placed on the free SMs first, consecutive blockIdx
+  // together: with gather releasing L1 early, DeepSeek-V3 L1 at T = 8 (3.5 tiles per CTA)
+  // measured 1.11x slower (310 -> 343 us; H200, 2081190 and dce201d). L2 started early by L1
+  // would be placed the same way, so neither gather nor the GEMMs release their successor early.
+  // (A tile counter taken at run time, instead of the static split, would lift this.)
   if (!prefetch) ptx::grid_dependency_wait();
   build_schedule<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows, m_tiles,
                                               s_offsets, s_prefix);
