@@ -129,8 +129,8 @@ struct L1Args {
   // issues its first weight copies at once, and waits for that kernel before it reads act /
   // h_act, row_weights or the split-K workspace and before it writes anything. So row_offsets
   // must not be written by the previous kernel itself: Sm90Layer's route runs two launches
-  // earlier (route, gather, L1, L2), and every megamoe kernel lets its successor start only after
-  // its own wait, so route has completed when L1 or L2 starts.
+  // earlier (route, gather, L1, L2), and a megamoe kernel that lets its successor start early
+  // does so only after its own wait, so route has completed when L1 or L2 starts.
   bool programmatic = false;
 };
 

@@ -192,8 +192,9 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   auto done = [&](Stage stage) { return static_cast<int>(stage) >= static_cast<int>(last); };
 
   // The six launches form a programmatic-dependent-launch chain (set_programmatic_launch): each
-  // kernel starts while its predecessor finishes and waits for it on the device; the GEMMs also
-  // build their schedules and start streaming weights before that wait (L1Args::programmatic).
+  // kernel waits for its predecessor on the device before touching its data; quantize, route and
+  // combine let their successor start early, and the GEMMs build their schedules and start
+  // streaming weights before their wait (L1Args::programmatic; docs/design.md).
   const bool pdl = programmatic_;
   launch_quantize_input(x, num_tokens, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
   if (done(Stage::kQuantize)) return;

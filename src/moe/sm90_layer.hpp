@@ -85,8 +85,9 @@ class Sm90Layer {
   // expert ids (the record is cleared first, so the next check starts clean).
   void check_errors(cudaStream_t stream);
 
-  // Programmatic dependent launch of the six kernels (runtime/cuda_launch.hpp): each starts while
-  // its predecessor finishes and waits for it on the device; results are the same bit for bit.
+  // Programmatic dependent launch of the six kernels (runtime/cuda_launch.hpp; docs/design.md):
+  // each waits for its predecessor on the device, some start before it ends; results are the
+  // same bit for bit.
   // On by default; MEGAMOE_PDL=0 in the environment makes the default off.
   void set_programmatic_launch(bool on) { programmatic_ = on; }
   bool programmatic_launch() const { return programmatic_; }

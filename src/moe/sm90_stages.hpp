@@ -10,8 +10,8 @@
 // call made of them can be captured in a CUDA graph. Pointers are device pointers; each launcher
 // checks its host-known arguments (sizes, alignment) and throws kInvalidArgument naming them.
 // programmatic = true launches the kernel as a programmatic dependent of the previous kernel in
-// the stream (runtime/cuda_launch.hpp): it starts before that kernel has finished and waits for
-// it on the device before touching memory. Sm90Layer chains its six launches this way.
+// the stream (runtime/cuda_launch.hpp): it may start before that kernel has finished and waits
+// for it on the device before touching memory. Sm90Layer chains its six launches this way.
 #pragma once
 
 #include <cstdint>
