@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "ptx/sm90_ptx.cuh"
+#include "sm90/sm90_diag_timeline.cuh"
 #include "sm90/sm90_gemm_config.hpp"
 #include "sm90/sm90_gemm_epilogue.cuh"
 #include "sm90/sm90_gemm_mainloop.cuh"
@@ -56,18 +57,17 @@ __device__ __forceinline__ int split_k_units(const GemmParams& p, int num_tiles)
   }
 }
 
-// Split-K hand-off after unit (tile t, part sp) has accumulated its K part: stores the part,
-// and returns true in the tile's last unit to arrive, with acc = the parts summed in split order
-// (part 0 + part 1 + ..., whichever unit arrives last: deterministic). Called by the whole math
-// warpgroup (named barrier 1 + wg).
-template <class Cfg>
-__device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
-                                               float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
-                                               int t, int sp, int splits, int wg, int tid) {
+// Split-K hand-off after a K part of a tile has been accumulated: stores the part at `mine`,
+// arrives at the tile's `counter`, and returns true in the tile's last part to arrive, with acc =
+// the parts summed in part order (part(0) + part(1) + ..., whichever part arrives last:
+// deterministic). part(i): where part i of the tile stored its accumulators. Called by the whole
+// math warpgroup (named barrier 1 + wg).
+template <class Cfg, class PartAt>
+__device__ __forceinline__ bool split_k_reduce(float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
+                                               int32_t* counter, float* mine, int parts,
+                                               PartAt part, int wg, int tid) {
   __shared__ int s_last[Cfg::kNumMathWG];
   constexpr int kPer = Cfg::kBlockN / 2;
-  float* tile_parts = p.split_partials + static_cast<int64_t>(t) * splits * Cfg::kSplitUnitFloats;
-  float* mine = tile_parts + static_cast<int64_t>(sp) * Cfg::kSplitUnitFloats;
 #pragma unroll
   for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
 #pragma unroll
@@ -76,9 +76,9 @@ __device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
   __threadfence();  // this thread's part is visible device-wide before the arrival below
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
   if (tid == 0) {
-    const int arrived = atomicAdd(p.split_counters + t, 1);
-    const bool last = arrived == splits - 1;
-    if (last) p.split_counters[t] = 0;  // every part has arrived: ready for the next launch
+    const int arrived = atomicAdd(counter, 1);
+    const bool last = arrived == parts - 1;
+    if (last) *counter = 0;  // every part has arrived: ready for the next launch
     s_last[wg] = last;
   }
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
@@ -91,12 +91,84 @@ __device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int64_t at = (sub * kPer + i) * Cfg::kWarpgroupThreads + tid;
-      float sum = __ldcg(tile_parts + at);
-      for (int s = 1; s < splits; ++s) sum += __ldcg(tile_parts + s * Cfg::kSplitUnitFloats + at);
+      float sum = __ldcg(part(0) + at);
+      for (int s = 1; s < parts; ++s) sum += __ldcg(part(s) + at);
       acc[sub][i] = sum;
     }
   }
   return true;
+}
+
+// Stream-K (GemmParams::stream_k, split configs): the launch's work, every tile's K stages one
+// after the other (tile-major), is cut into gridDim.x equal ranges of stages, CTA b taking
+// [b W / G, (b + 1) W / G) of the W = tiles x stages: every CTA streams the same weight bytes in
+// one pass, whatever the tile count. A tile cut by range boundaries is finished by its parts'
+// split-K hand-off. Part i of tile t is the range of CTA first(t) + i; its accumulators live in
+// slot 2c (the range of CTA c starts inside the tile) or 2c + 1 (it ends inside it), and the
+// tile's counter is first(t)'s (no other cut tile starts in that CTA's range).
+// (W < 2^31: the launcher checks its bound; the products are taken in 64 bits.)
+struct StreamK {
+  int work;    // W = tiles x stages per tile
+  int stages;  // stages per tile
+  int grid;    // G
+  __device__ int begin(int cta) const {
+    return static_cast<int>(static_cast<int64_t>(cta) * work / grid);
+  }
+  // The CTA whose range holds stage index i (the largest c with begin(c) <= i).
+  __device__ int owner(int i) const {
+    return static_cast<int>(((static_cast<int64_t>(i) + 1) * grid - 1) / work);
+  }
+  __device__ int slot(int cta, int tile) const {
+    return 2 * cta + (begin(cta) >= tile * stages ? 0 : 1);
+  }
+};
+
+// The epilogue of one finished tile, run by each math warpgroup on its blocks (the
+// configurations without the asynchronous epilogue).
+template <class Cfg, GemmKind kKind>
+__device__ __forceinline__ void epilogue_tile(const GemmParams& p, const TileInfo& tile,
+                                              float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
+                                              const bool (&valid)[Cfg::kMBlocksPerWG],
+                                              uint16_t* smem_stage, float* smem_amax, int wg,
+                                              int tid) {
+#pragma unroll
+  for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+    if (!valid[sub]) continue;
+    const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
+    if constexpr (kKind == GemmKind::kL1 && Cfg::kStagedEpilogue) {
+      switch (p.activation.kind) {
+        case ActivationKind::kSwiglu:
+          epilogue_l1_staged<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+          break;
+        case ActivationKind::kSitu:
+          epilogue_l1_staged<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+          break;
+        case ActivationKind::kSwigluOai:
+          epilogue_l1_staged<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+          break;
+      }
+    } else if constexpr (kKind == GemmKind::kL1) {
+      switch (p.activation.kind) {
+        case ActivationKind::kSwiglu:
+          epilogue_l1<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+          break;
+        case ActivationKind::kSitu:
+          epilogue_l1<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+          break;
+        case ActivationKind::kSwigluOai:
+          epilogue_l1<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+          break;
+      }
+    } else if constexpr (Cfg::kStagedEpilogue) {
+      if (p.bias == nullptr) {
+        epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+      } else {
+        epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
+      }
+    } else {
+      epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
+    }
+  }
 }
 
 template <class Cfg, GemmKind kKind>
@@ -124,6 +196,8 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
 
   // ---- setup: barriers and the tile schedule ----
   if (threadIdx.x == 0) {
+    diag::stamp(diag::kEntry);
+    diag::record_smid();
     for (int s = 0; s < Cfg::kNumStages; ++s) {
       ptx::mbar_init(&full_bars[s], 1);
       ptx::mbar_init(&empty_bars[s], Cfg::kWarpgroupThreads * Cfg::kNumMathWG);  // every math thread
@@ -151,6 +225,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   build_schedule<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows, m_tiles,
                                               s_offsets, s_prefix);
   __syncthreads();
+  if (threadIdx.x == 0) diag::stamp(diag::kScheduleBuilt);
   const TileScheduler<Cfg::kBlockN, Cfg::kMBlocksPerCta> sched{
       s_offsets, s_prefix, p.num_experts, total_m_blocks, m_tiles};
   const int num_tiles = sched.total_tiles();
@@ -237,38 +312,68 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     // (stages 0.. of phase 0, whose empty barriers are free) get their weight copies now; the
     // loop below then issues only their B boxes (act / h_act: written by the previous kernel).
     int ahead = 0;
-    if (prefetch) {
-      const int u = blockIdx.x;
-      if (u < num_units) {
-        const TileInfo tile = sched.get(u / splits);
-        const int kb_end = k_begin(u % splits + 1, splits);
-        for (int kb = k_begin(u % splits, splits); kb < kb_end && ahead < Cfg::kNumStages;
-             kb += kKSub) {
-          copy_weights(tile, kb, ahead++);
-        }
-      }
-      ptx::grid_dependency_wait();
-    }
     int stage = 0;
     uint32_t phase = 0;
+    // One stage: its weights (unless prefetched) and its B boxes.
+    auto issue_stage = [&](const TileInfo& tile, int kb) {
+      if (ahead > 0) {
+        --ahead;  // weights already issued (same range, k-block and stage)
+      } else {
+        ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
+        copy_weights(tile, kb, stage);
+      }
+#pragma unroll
+      for (int j = 0; j < kKSub; ++j) {
+        ptx::tma_load_2d(smem_b + stage * Cfg::kSmemBBytes + j * Cfg::kSmemBBoxBytes, &tmap_b,
+                         (kb + j) * Cfg::kBlockK, tile.row0, &full_bars[stage]);
+      }
+      if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+    };
+    // PDL: the first range's first stages (phase 0, whose empty barriers are free) get their
+    // weight copies before the wait.
+    auto prefetch_first = [&](int t, int kb_begin, int kb_end) {
+      const TileInfo tile = sched.get(t);
+      for (int kb = kb_begin; kb < kb_end && ahead < Cfg::kNumStages; kb += kKSub) {
+        copy_weights(tile, kb, ahead++);
+      }
+    };
+    if constexpr (Cfg::kSupportsSplitK) {
+      if (p.stream_k != 0) {
+        const StreamK sk{num_tiles * num_k_stages, num_k_stages, static_cast<int>(gridDim.x)};
+        const int end = sk.begin(blockIdx.x + 1);
+        auto range_at = [&](int it, int& t, int& s0, int& s1) {
+          t = it / num_k_stages;
+          s0 = it - t * num_k_stages;
+          s1 = min(num_k_stages, s0 + (end - it));
+        };
+        int t, s0, s1;
+        if (prefetch) {
+          if (sk.begin(blockIdx.x) < end) {
+            range_at(sk.begin(blockIdx.x), t, s0, s1);
+            prefetch_first(t, s0 * kKSub, s1 * kKSub);
+          }
+          ptx::grid_dependency_wait();
+        }
+        for (int it = sk.begin(blockIdx.x); it < end; it += s1 - s0) {
+          range_at(it, t, s0, s1);
+          const TileInfo tile = sched.get(t);
+          for (int kb = s0 * kKSub; kb < s1 * kKSub; kb += kKSub) issue_stage(tile, kb);
+        }
+        diag::stamp(diag::kProducerDone);
+        return;
+      }
+    }
+    if (prefetch) {
+      const int u = blockIdx.x;
+      if (u < num_units) prefetch_first(u / splits, k_begin(u % splits, splits), k_begin(u % splits + 1, splits));
+      ptx::grid_dependency_wait();
+    }
     for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
       const TileInfo tile = sched.get(u / splits);
       const int kb_begin = k_begin(u % splits, splits), kb_end = k_begin(u % splits + 1, splits);
-      for (int kb = kb_begin; kb < kb_end; kb += kKSub) {
-        if (ahead > 0) {
-          --ahead;  // weights already issued (same unit, k-block and stage)
-        } else {
-          ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
-          copy_weights(tile, kb, stage);
-        }
-#pragma unroll
-        for (int j = 0; j < kKSub; ++j) {
-          ptx::tma_load_2d(smem_b + stage * Cfg::kSmemBBytes + j * Cfg::kSmemBBoxBytes, &tmap_b,
-                           (kb + j) * Cfg::kBlockK, tile.row0, &full_bars[stage]);
-        }
-        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
-      }
+      for (int kb = kb_begin; kb < kb_end; kb += kKSub) issue_stage(tile, kb);
     }
+    diag::stamp(diag::kProducerDone);
   } else {
     // ================================ math ================================
     if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_inc<Cfg::kMathRegs>();
@@ -282,6 +387,54 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     // of 4 CTAs per SM, where the live values spilled (24 bytes, L1; measured when the split
     // path was still compiled into Decode16X2K2).
     auto live_splits = [&] { return split_k_units<Cfg>(p, sched.total_tiles()); };
+    if constexpr (Cfg::kSupportsSplitK) {
+      if (p.stream_k != 0) {
+        // The producer's ranges (StreamK), in the same order. The range end and the work size
+        // are re-derived from the schedule after the mainloop rather than kept live across it
+        // (this tile runs at the register cap of 4 CTAs per SM).
+        auto stream_k = [&] {
+          return StreamK{sched.total_tiles() * num_k_stages, num_k_stages, static_cast<int>(gridDim.x)};
+        };
+        int ranges = 0;
+        for (int it = stream_k().begin(blockIdx.x), next; it < stream_k().begin(blockIdx.x + 1); it = next) {
+          const int t = it / num_k_stages;
+          const int s0 = it - t * num_k_stages;
+          const int s1 = min(num_k_stages, s0 + (stream_k().begin(blockIdx.x + 1) - it));
+          next = it + (s1 - s0);
+          const TileInfo tile = sched.get(t);
+          bool valid[Cfg::kMBlocksPerWG];
+#pragma unroll
+          for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+            valid[sub] = wg * Cfg::kMBlocksPerWG + sub < tile.num_m_blocks;
+          }
+          dispatch_n<Cfg::kNStep, Cfg::kBlockN>(tile.num_rows, [&](auto n_tag) {
+            ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
+                                                      empty_bars, (s1 - s0) * Cfg::kKBlocksPerStage,
+                                                      wg, tid, stage, phase);
+          });
+          if (wg == 0 && tid == 0 && ranges++ == 0) diag::stamp(diag::kFirstUnitDone);
+          if (s0 != 0 || s1 != num_k_stages) {  // a part of a cut tile
+            const StreamK sk = stream_k();
+            const int first_stage = t * num_k_stages;
+            const int first = sk.owner(first_stage);
+            const int parts = sk.owner(first_stage + num_k_stages - 1) - first + 1;
+            auto part = [&](int i) {
+              return p.split_partials + static_cast<int64_t>(sk.slot(first + i, t)) * Cfg::kSplitUnitFloats;
+            };
+            if (!split_k_reduce<Cfg>(acc, p.split_counters + first, part(blockIdx.x - first), parts,
+                                     part, wg, tid)) {
+              continue;
+            }
+          }
+          epilogue_tile<Cfg, kKind>(p, tile, acc, valid, smem_stage, smem_amax, wg, tid);
+        }
+        if (wg == 0 && tid == 0) {
+          diag::stamp(diag::kMathDone);
+          diag::record(diag::kUnits, ranges);
+        }
+        return;
+      }
+    }
     for (int u = blockIdx.x; u < sched.total_tiles() * live_splits(); u += gridDim.x) {
       const int n_splits = live_splits();
       const TileInfo tile = sched.get(u / n_splits);
@@ -295,11 +448,16 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
                                                   empty_bars, unit_k_blocks, wg, tid, stage, phase);
       });
+      if (wg == 0 && tid == 0 && u == static_cast<int>(blockIdx.x)) diag::stamp(diag::kFirstUnitDone);
       if constexpr (Cfg::kSupportsSplitK) {
         const int n_splits = live_splits();
-        if (n_splits > 1 &&
-            !split_k_reduce<Cfg>(p, acc, u / n_splits, u % n_splits, n_splits, wg, tid)) {
-          continue;
+        if (n_splits > 1) {
+          const int t = u / n_splits;
+          float* tile_parts = p.split_partials + static_cast<int64_t>(t) * n_splits * Cfg::kSplitUnitFloats;
+          auto part = [&](int sp) { return tile_parts + static_cast<int64_t>(sp) * Cfg::kSplitUnitFloats; };
+          if (!split_k_reduce<Cfg>(acc, p.split_counters + t, part(u % n_splits), n_splits, part, wg, tid)) {
+            continue;
+          }
         }
       }
       if constexpr (Cfg::kAsyncEpilogue) {
@@ -323,45 +481,15 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         }
         ptx::named_barrier_arrive(Cfg::kBarStaged + 2 * wg, Cfg::kStageSyncThreads);
       } else {
-#pragma unroll
-        for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
-          if (!valid[sub]) continue;
-          const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
-          if constexpr (kKind == GemmKind::kL1 && Cfg::kStagedEpilogue) {
-            switch (p.activation.kind) {
-              case ActivationKind::kSwiglu:
-                epilogue_l1_staged<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-                break;
-              case ActivationKind::kSitu:
-                epilogue_l1_staged<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-                break;
-              case ActivationKind::kSwigluOai:
-                epilogue_l1_staged<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-                break;
-            }
-          } else if constexpr (kKind == GemmKind::kL1) {
-            switch (p.activation.kind) {
-              case ActivationKind::kSwiglu:
-                epilogue_l1<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-                break;
-              case ActivationKind::kSitu:
-                epilogue_l1<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-                break;
-              case ActivationKind::kSwigluOai:
-                epilogue_l1<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-                break;
-            }
-          } else if constexpr (Cfg::kStagedEpilogue) {
-            if (p.bias == nullptr) {
-              epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-            } else {
-              epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
-            }
-          } else {
-            epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
-          }
-        }
+        epilogue_tile<Cfg, kKind>(p, tile, acc, valid, smem_stage, smem_amax, wg, tid);
       }
+    }
+    if (wg == 0 && tid == 0) {
+      diag::stamp(diag::kMathDone);
+      const int units = sched.total_tiles() * live_splits();
+      diag::record(diag::kUnits, blockIdx.x < static_cast<unsigned>(units)
+                                     ? (units - blockIdx.x + gridDim.x - 1) / gridDim.x
+                                     : 0);
     }
   }
 }

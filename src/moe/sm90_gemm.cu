@@ -128,6 +128,23 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
                       " pipeline stages of K = ", p.k, ", got ", p.k_splits);
   }
   const auto& dev = cuda::device_info();
+  const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
+  if (p.stream_k != 0) {
+    MEGAMOE_CHECK_ARG(Cfg::kSupportsSplitK, "sm90 gemm: stream-K runs only on the split tile");
+    MEGAMOE_CHECK_ARG(p.split_partials != nullptr && p.split_counters != nullptr &&
+                          p.split_counters_capacity >= grid &&
+                          p.split_partial_floats >= int64_t(2) * grid * Cfg::kSplitUnitFloats,
+                      "sm90 gemm: tile kDecode16X2K2Stream (", static_cast<int>(GemmTile::kDecode16X2K2Stream),
+                      ") needs a split_k workspace of at least ", grid, " counters and ",
+                      int64_t(2) * grid * Cfg::kSplitUnitFloats, " partial floats, got ",
+                      p.split_counters_capacity, " and ", p.split_partial_floats);
+    // The kernel counts the launch's stages in 32 bits (StreamK): bound them by the most tiles
+    // the row capacity allows.
+    const int64_t m_tiles = (p.m_rows / sm90_layout::kBlockRows + Cfg::kMBlocksPerCta - 1) / Cfg::kMBlocksPerCta;
+    const int64_t max_tiles = (static_cast<int64_t>(p.max_rows) / Cfg::kBlockN + p.num_experts) * m_tiles;
+    MEGAMOE_CHECK_ARG(max_tiles * (p.k / Cfg::kBlockK) < (int64_t(1) << 31),
+                      "sm90 gemm: stream-K: max_rows ", p.max_rows, " allows too many K stages for one launch");
+  }
   const size_t smem = Cfg::smem_bytes(p.num_experts);
   MEGAMOE_CHECK(static_cast<int64_t>(Cfg::smem_bytes(kMaxLocalExperts)) <= dev.smem_per_block_optin,
                 ErrorCode::kUnsupported, "sm90 gemm: needs ", Cfg::smem_bytes(kMaxLocalExperts),
@@ -139,7 +156,6 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
   });
   const CUtensorMap map =
       make_rows_map(b_rows, static_cast<int64_t>(p.max_rows) + kRowSlack, p.k, Cfg::kBlockN);
-  const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
   cuda::launch(kernel, grid, Cfg::kThreads, smem, stream, p.prefetch_before_wait != 0, map, p);
 }
 
@@ -277,6 +293,13 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
     case GemmTile::kDecode16X2K2Split:
       launch_k_staged<Decode16X2K2SplitConfig, Decode16X2OverlapSplitConfig, kKind>(p, b_rows, stream);
       return;
+    case GemmTile::kDecode16X2K2Stream:
+      MEGAMOE_CHECK_ARG(p.k_splits <= 1, "sm90 gemm: k_splits: tile kDecode16X2K2Stream (",
+                        static_cast<int>(GemmTile::kDecode16X2K2Stream),
+                        ") takes its K ranges from the grid: expected k_splits 0 or 1, got ", p.k_splits);
+      p.stream_k = 1;
+      launch_k_staged<Decode16X2K2SplitConfig, Decode16X2OverlapSplitConfig, kKind>(p, b_rows, stream);
+      return;
     case GemmTile::kDecode8X2K2:
       launch_k_staged<Decode8X2K2Config, Decode8X2OverlapConfig, kKind>(p, b_rows, stream);
       return;
@@ -329,13 +352,14 @@ void set_split_k(GemmParams& p, const SplitKWorkspace& ws, int k_splits, const c
 }  // namespace
 
 int split_k_counters() {
-  // kAuto splits only launches with at most half as many tiles as CTA slots.
-  return cuda::device_info().sm_count * static_cast<int>(kDecodeCtasPerSm) / 2;
+  // kAuto splits only launches with at most half as many tiles as CTA slots; stream-K needs one
+  // counter per CTA.
+  return cuda::device_info().sm_count * static_cast<int>(Decode16X2K2SplitConfig::kMinBlocksPerSM);
 }
 
 int64_t split_k_partial_floats() {
-  // At most one unit per CTA slot (~4 MiB on an H200).
-  return static_cast<int64_t>(cuda::device_info().sm_count) * kDecodeCtasPerSm *
+  // Split-K: at most one unit per CTA slot; stream-K: two per CTA (~8 MiB on an H200).
+  return int64_t(2) * cuda::device_info().sm_count * Decode16X2K2SplitConfig::kMinBlocksPerSM *
          Decode16X2K2SplitConfig::kSplitUnitFloats;
 }
 
@@ -401,5 +425,16 @@ void launch_l2(const L2Args& a, cudaStream_t stream) {
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
   launch<GemmKind::kL2>(p, a.rows_bound, a.tile, a.h_act, stream);
 }
+
+#if MEGAMOE_DIAG_TIMELINE
+std::vector<uint64_t> diag_read_timeline() {
+  std::vector<uint64_t> table(static_cast<size_t>(diag::kTimelineCtas) * diag::kNumEvents);
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  MEGAMOE_CUDA_CHECK(cudaMemcpyFromSymbol(table.data(), diag::g_timeline, table.size() * sizeof(uint64_t)));
+  const std::vector<uint64_t> zeros(table.size(), 0);
+  MEGAMOE_CUDA_CHECK(cudaMemcpyToSymbol(diag::g_timeline, zeros.data(), zeros.size() * sizeof(uint64_t)));
+  return table;
+}
+#endif
 
 }  // namespace megamoe::sm90

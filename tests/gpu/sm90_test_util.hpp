@@ -9,6 +9,7 @@
 //   under the 1e-4 amax floor, exact zeros).
 #pragma once
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -163,5 +164,41 @@ inline std::vector<uint16_t> make_inputs(int64_t num_tokens, int64_t hidden, uin
   }
   return x;
 }
+
+// A non-blocking CUDA stream, destroyed with its owner (also when an ASSERT returns early).
+class Stream {
+ public:
+  Stream() { MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~Stream() { cudaStreamDestroy(stream_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  operator cudaStream_t() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// A CUDA graph of the work `issue` puts on `stream` (captured in global mode), instantiated.
+class StreamGraph {
+ public:
+  template <class F>
+  StreamGraph(cudaStream_t stream, F&& issue) {
+    MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    issue();
+    MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
+    MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~StreamGraph() {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  StreamGraph(const StreamGraph&) = delete;
+  StreamGraph& operator=(const StreamGraph&) = delete;
+  void launch(cudaStream_t stream) const { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
 
 }  // namespace megamoe::test

@@ -246,8 +246,7 @@ TEST(ReliabilitySoak, ManyLayerCalls) {
   const auto t_setup = std::chrono::steady_clock::now();
   auto shapes = make_shapes();
   std::vector<SoakLayer> layers = make_layers(shapes);
-  cudaStream_t stream;
-  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const test::Stream stream;
   int64_t max_out = 0;
   for (const auto& s : shapes) max_out = std::max(max_out, s->capacity * s->shape.hidden);
   test::DeviceArray<uint16_t> d_y(max_out), d_y2(max_out);
@@ -351,7 +350,6 @@ TEST(ReliabilitySoak, ManyLayerCalls) {
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const DeviceMem mem_after = device_mem();
-  MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
 
   const long long free_delta = static_cast<long long>(mem_before.free) - static_cast<long long>(mem_after.free);
   const long long mm_delta = mem_after.megamoe_device - mem_before.megamoe_device;

@@ -44,6 +44,8 @@ namespace {
 
 using test::DeviceArray;
 using test::Routing;
+using test::Stream;
+using test::StreamGraph;
 
 constexpr double kGammaC = 4.0;
 constexpr double kMaxFlipFraction = 1e-3;
@@ -473,29 +475,6 @@ TEST(Sm90Layer, KimiK3Ep8) {
 // ---------------------------------------------------------------------------------------------
 // Graph replay, determinism, errors
 // ---------------------------------------------------------------------------------------------
-// A CUDA graph of the work `issue` puts on `stream` (captured in global mode), instantiated.
-class StreamGraph {
- public:
-  template <class F>
-  StreamGraph(cudaStream_t stream, F&& issue) {
-    MEGAMOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    issue();
-    MEGAMOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
-    MEGAMOE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
-  }
-  ~StreamGraph() {
-    cudaGraphExecDestroy(exec_);
-    cudaGraphDestroy(graph_);
-  }
-  StreamGraph(const StreamGraph&) = delete;
-  StreamGraph& operator=(const StreamGraph&) = delete;
-  void launch(cudaStream_t stream) const { MEGAMOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
-
- private:
-  cudaGraph_t graph_ = nullptr;
-  cudaGraphExec_t exec_ = nullptr;
-};
-
 void check_graph_and_determinism(const LayerCase& c, uint64_t seed) {
   SCOPED_TRACE(c.describe());
   LayerConfig config;
@@ -508,8 +487,7 @@ void check_graph_and_determinism(const LayerCase& c, uint64_t seed) {
   DeviceArray<uint16_t> dx(x), dy(t * s.hidden);
   DeviceArray<int32_t> didx(routing.idx);
   DeviceArray<float> dw(routing.weights);
-  cudaStream_t stream;
-  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Stream stream;
 
   dy.fill_bytes(0xFF);
   layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), stream);
@@ -535,7 +513,6 @@ void check_graph_and_determinism(const LayerCase& c, uint64_t seed) {
     EXPECT_EQ(g.y, eager.y) << "graph replay " << replay << ": y differs from eager";
     EXPECT_EQ(g.h_q, eager.h_q) << "graph replay " << replay << ": h_q differs from eager";
   }
-  MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(Sm90Layer, GraphReplayEqualsEagerAndRunsAreDeterministic) {
@@ -599,8 +576,7 @@ void check_programmatic_launch(const LayerCase& c, uint64_t seed) {
   DeviceArray<uint16_t> dy[3] = {DeviceArray<uint16_t>(t * s.hidden),
                                  DeviceArray<uint16_t>(t * s.hidden),
                                  DeviceArray<uint16_t>(t * s.hidden)};
-  cudaStream_t stream;
-  MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Stream stream;
   auto run_calls = [&](bool sync_each) {
     for (int i = 0; i < 3; ++i) {
       const Input& x = in[kOrder[i]];
@@ -641,7 +617,6 @@ void check_programmatic_launch(const LayerCase& c, uint64_t seed) {
       EXPECT_EQ(g[i], plain[i]) << "programmatic, graph replay " << replay << ": call " << i;
     }
   }
-  MEGAMOE_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST(Sm90Layer, ProgrammaticLaunchChangesNothingButTiming) {

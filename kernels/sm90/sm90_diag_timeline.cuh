@@ -1,0 +1,59 @@
+// sm90_diag_timeline.cuh: MEGAMOE_DIAG_TIMELINE (measurement builds only, never set by the build
+// files): the grouped GEMM kernel stamps %globaltimer at fixed points of every CTA's life into a
+// device table that the GEMM benchmark reads back (sm90::diag_read_timeline), to see where a short
+// launch loses its time: the launch spread, the schedule, the first stage, the spread of the CTAs'
+// ends. In the default build the stamps compile to nothing.
+#pragma once
+
+#ifndef MEGAMOE_DIAG_TIMELINE
+#define MEGAMOE_DIAG_TIMELINE 0
+#endif
+
+#include <cstdint>
+
+namespace megamoe::sm90::diag {
+
+constexpr int kTimelineCtas = 1024;  // CTAs recorded (the persistent grids have at most 4 x SMs)
+enum TimelineEvent : int {
+  kEntry = 0,         // thread 0, first instruction
+  kScheduleBuilt,     // thread 0, after build_schedule
+  kFirstUnitDone,     // math thread 0, after the first work unit's mainloop
+  kMathDone,          // math thread 0, after its last epilogue
+  kProducerDone,      // producer thread, after its last copy was issued
+  kSmid,              // not a time: the SM the CTA ran on
+  kUnits,             // not a time: work units the math warpgroup ran
+  kNumEvents
+};
+
+#if MEGAMOE_DIAG_TIMELINE
+static __device__ uint64_t g_timeline[kTimelineCtas][kNumEvents];
+#endif
+
+__device__ __forceinline__ void stamp(TimelineEvent event) {
+#if MEGAMOE_DIAG_TIMELINE
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (blockIdx.x < kTimelineCtas) g_timeline[blockIdx.x][event] = t;
+#else
+  (void)event;
+#endif
+}
+
+__device__ __forceinline__ void record_smid() {
+#if MEGAMOE_DIAG_TIMELINE
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  if (blockIdx.x < kTimelineCtas) g_timeline[blockIdx.x][kSmid] = id;
+#endif
+}
+
+__device__ __forceinline__ void record(TimelineEvent slot, uint64_t value) {
+#if MEGAMOE_DIAG_TIMELINE
+  if (blockIdx.x < kTimelineCtas) g_timeline[blockIdx.x][slot] = value;
+#else
+  (void)slot;
+  (void)value;
+#endif
+}
+
+}  // namespace megamoe::sm90::diag
