@@ -22,6 +22,13 @@ enum TimelineEvent : int {
   kProducerDone,      // producer thread, after its last copy was issued
   kSmid,              // not a time: the SM the CTA ran on
   kUnits,             // not a time: work units the math warpgroup ran
+  // Sums over the CTA's split-K hand-offs (math thread 0, ns): storing the part and the fence,
+  // the barrier + arrival, the sum of the parts (last arrivals only); and over its epilogues.
+  kReduceStoreNs,
+  kReduceArriveNs,
+  kReduceSumNs,
+  kEpilogueNs,
+  kLastArrivals,      // not a time: hand-offs this CTA finished as the last part
   kNumEvents
 };
 
@@ -36,6 +43,27 @@ __device__ __forceinline__ void stamp(TimelineEvent event) {
   if (blockIdx.x < kTimelineCtas) g_timeline[blockIdx.x][event] = t;
 #else
   (void)event;
+#endif
+}
+
+// %globaltimer in a measurement build, 0 otherwise.
+__device__ __forceinline__ uint64_t now() {
+#if MEGAMOE_DIAG_TIMELINE
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
+
+// Adds value to the CTA's slot (call from one thread).
+__device__ __forceinline__ void add(TimelineEvent slot, uint64_t value) {
+#if MEGAMOE_DIAG_TIMELINE
+  if (blockIdx.x < kTimelineCtas) g_timeline[blockIdx.x][slot] += value;
+#else
+  (void)slot;
+  (void)value;
 #endif
 }
 

@@ -68,12 +68,15 @@ __device__ __forceinline__ bool split_k_reduce(float (&acc)[Cfg::kMBlocksPerWG][
                                                PartAt part, int wg, int tid) {
   __shared__ int s_last[Cfg::kNumMathWG];
   constexpr int kPer = Cfg::kBlockN / 2;
+  const uint64_t t0 = diag::now();
 #pragma unroll
   for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
 #pragma unroll
     for (int i = 0; i < kPer; ++i) __stcg(mine + (sub * kPer + i) * Cfg::kWarpgroupThreads + tid, acc[sub][i]);
   }
   __threadfence();  // this thread's part is visible device-wide before the arrival below
+  const uint64_t t1 = diag::now();
+  if (wg == 0 && tid == 0) diag::add(diag::kReduceStoreNs, t1 - t0);
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
   if (tid == 0) {
     const int arrived = atomicAdd(counter, 1);
@@ -84,6 +87,8 @@ __device__ __forceinline__ bool split_k_reduce(float (&acc)[Cfg::kMBlocksPerWG][
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
   const bool last = s_last[wg] != 0;
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // s_last is rewritten next tile
+  const uint64_t t2 = diag::now();
+  if (wg == 0 && tid == 0) diag::add(diag::kReduceArriveNs, t2 - t1);
   if (!last) return false;
   __threadfence();  // the other parts' stores (ordered before their arrivals) are read below
 #pragma unroll
@@ -96,6 +101,10 @@ __device__ __forceinline__ bool split_k_reduce(float (&acc)[Cfg::kMBlocksPerWG][
       acc[sub][i] = sum;
     }
   }
+  if (wg == 0 && tid == 0) {
+    diag::add(diag::kReduceSumNs, diag::now() - t2);
+    diag::add(diag::kLastArrivals, 1);
+  }
   return true;
 }
 
@@ -106,13 +115,17 @@ __device__ __forceinline__ bool split_k_reduce(float (&acc)[Cfg::kMBlocksPerWG][
 // split-K hand-off. Part i of tile t is the range of CTA first(t) + i; its accumulators live in
 // slot 2c (the range of CTA c starts inside the tile) or 2c + 1 (it ends inside it), and the
 // tile's counter is first(t)'s (no other cut tile starts in that CTA's range).
+// With fewer stages than CTAs only the first W CTAs take a range (one stage each), so that no
+// range is empty: every CTA between first(t) and the owner of t's last stage is one of t's parts.
 // (W < 2^31: the launcher checks its bound; the products are taken in 64 bits.)
 struct StreamK {
   int work;    // W = tiles x stages per tile
   int stages;  // stages per tile
-  int grid;    // G
+  int grid;    // G = min(gridDim.x, W): the CTAs that take a range
+  __device__ StreamK(int work_, int stages_, int ctas)
+      : work(work_), stages(stages_), grid(min(ctas, work_)) {}
   __device__ int begin(int cta) const {
-    return static_cast<int>(static_cast<int64_t>(cta) * work / grid);
+    return cta >= grid ? work : static_cast<int>(static_cast<int64_t>(cta) * work / grid);
   }
   // The CTA whose range holds stage index i (the largest c with begin(c) <= i).
   __device__ int owner(int i) const {
@@ -426,7 +439,9 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
               continue;
             }
           }
+          const uint64_t e0 = diag::now();
           epilogue_tile<Cfg, kKind>(p, tile, acc, valid, smem_stage, smem_amax, wg, tid);
+          if (wg == 0 && tid == 0) diag::add(diag::kEpilogueNs, diag::now() - e0);
         }
         if (wg == 0 && tid == 0) {
           diag::stamp(diag::kMathDone);
@@ -481,7 +496,9 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         }
         ptx::named_barrier_arrive(Cfg::kBarStaged + 2 * wg, Cfg::kStageSyncThreads);
       } else {
+        const uint64_t e0 = diag::now();
         epilogue_tile<Cfg, kKind>(p, tile, acc, valid, smem_stage, smem_amax, wg, tid);
+        if (wg == 0 && tid == 0) diag::add(diag::kEpilogueNs, diag::now() - e0);
       }
     }
     if (wg == 0 && tid == 0) {

@@ -675,6 +675,14 @@ void print_timeline(const std::string& label, double event_us) {
     sm_end[sm] = std::max(sm_end[sm], end);
     max_sm = std::max(max_sm, sm);
   }
+  double sums[4] = {0, 0, 0, 0}, lasts = 0;
+  for (int c = 0; c < ctas; ++c) {
+    for (int k = 0; k < 4; ++k) sums[k] += at(c, d::kReduceStoreNs + k) * 1e-3;
+    lasts += double(at(c, d::kLastArrivals));
+  }
+  printf("[timeline]   per CTA, mean us: hand-off store+fence %.2f, barrier+arrival %.2f, sum of parts %.2f "
+         "(last arrivals %.2f per CTA), epilogues %.2f\n",
+         sums[0] / ctas, sums[1] / ctas, sums[2] / ctas, lasts / ctas, sums[3] / ctas);
   printf("[timeline]   units per CTA (count, mean end us):");
   for (int u = 0; u < 64; ++u) if (n_units[u]) printf(" %d:(%d, %.1f)", u, n_units[u], end_sum[u] / n_units[u]);
   std::vector<double> ends(sm_end.begin(), sm_end.begin() + max_sm + 1);
