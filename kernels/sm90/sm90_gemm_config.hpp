@@ -51,12 +51,10 @@ struct GemmParams {
   int64_t split_partial_floats = 0;
   int32_t* split_counters = nullptr;     // [split_counters_capacity], zero-initialized
   int split_counters_capacity = 0;
-  // Stream-K (split configs; GemmTile::kDecode16X2K2Stream): instead of whole tiles or k_splits
-  // equal parts, CTA b runs the b-th of gridDim.x equal ranges of the launch's K stages
-  // (StreamK in sm90_grouped_gemm_bf16_mxfp4.cuh); tiles cut by a range boundary are finished
-  // through the split-K workspace. Needs split_counters_capacity >= gridDim.x and
-  // split_partial_floats >= 2 x gridDim.x x kSplitUnitFloats (checked by the launcher).
-  int stream_k = 0;
+  // Split to fill (split configs, GemmTile::kDecode16X2K2Fill; k_splits <= 1): only the last
+  // min(tiles, gridDim.x - tiles) tiles run as two K parts, so a launch with fewer tiles than
+  // CTA slots runs one unit per slot in one wave (sm90_grouped_gemm_bf16_mxfp4.cuh, WorkUnits).
+  int split_fill = 0;
   // Programmatic dependent launch (L1Args / L2Args::programmatic): build the schedule from
   // row_offsets and issue the first stages' weight copies before waiting for the previous kernel
   // of the stream (configs without setmaxnreg; the others wait first). 0: wait first (also

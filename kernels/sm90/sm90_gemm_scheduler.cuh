@@ -51,10 +51,14 @@ struct TileScheduler {
   }
 };
 
-// Loads row_offsets into shared memory, checks them, and writes the tile prefix. Called by all
-// kThreads threads of the CTA (contains __syncthreads).
+// build_schedule of the configs with setmaxnreg (prefill): the same schedule, kThreads experts per
+// round with two __syncthreads each. Called by all kThreads threads of the CTA (contains
+// __syncthreads).
+// NOTES: the one-round version below made ptxas spill 2-3 KB in the asynchronous-epilogue
+// prefill kernels (40 bytes in PrefillWideAsync L2, none before; nvcc 13.0), whose launches last
+// milliseconds, where the rounds' microsecond does not matter.
 template <int kThreads, int kBlockN>
-__device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_experts,
+__device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, int num_experts,
                                int max_rows, int m_tiles, int32_t* s_offsets, int32_t* s_prefix) {
   __shared__ int32_t s_warp_sums[kThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -104,6 +108,66 @@ __device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_
     if (e <= num_experts) s_prefix[e] = carry + warp_offset + incl - tiles;
     carry += total;
     __syncthreads();
+  }
+}
+
+// Loads row_offsets into shared memory, checks them, and writes the tile prefix. Called by all
+// kThreads threads of the CTA (contains __syncthreads; the caller synchronizes after it).
+// Thread i owns the C = ceil((E + 1) / kThreads) consecutive entries [i C, i C + C): it loads them
+// and the next one (all loads issued before the first use: the CTA waits for one global load
+// latency), checks and counts its experts' tiles in registers, and one block-wide scan of the
+// per-thread counts gives every prefix.
+// NOTES: the former version scanned kThreads experts per round with two __syncthreads each (6
+// rounds at E_l = 896): the schedule took 2.6-3.4 us from kernel entry at Kimi-K3 T = 1, 1.5-2.2
+// at DeepSeek-V3 (MEGAMOE_DIAG_TIMELINE build, H200, d3cce03), a fixed cost of every launch.
+// NOTES: ld.global.cg (L2), not the read-only path: with programmatic dependent launch this
+// runs before the grid's dependency wait (GemmParams::prefetch_before_wait).
+template <int kThreads, int kBlockN>
+__device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_experts,
+                               int max_rows, int m_tiles, int32_t* s_offsets, int32_t* s_prefix) {
+  __shared__ int32_t s_warp_sums[kThreads / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  constexpr int kMaxPer = (kMaxLocalExperts + 1 + kThreads - 1) / kThreads;
+  const int per = (num_experts + 1 + kThreads - 1) / kThreads;  // C <= kMaxPer
+  const int first = tid * per;
+  int32_t loaded[kMaxPer + 1];
+#pragma unroll
+  for (int j = 0; j <= kMaxPer; ++j) {
+    const int e = first + j;
+    loaded[j] = j <= per && e <= num_experts ? __ldcg(row_offsets + e) : 0;
+  }
+  int tiles_before[kMaxPer];  // this thread's tiles before entry first + j
+  int count = 0;
+#pragma unroll
+  for (int j = 0; j < kMaxPer; ++j) {
+    const int e = first + j;
+    tiles_before[j] = count;
+    if (j < per && e < num_experts) {
+      const int lo = loaded[j], hi = loaded[j + 1];
+      // Invalid offsets would index out of bounds: fail the launch (no printf: see mbar_wait).
+      if (lo < 0 || hi < lo || hi > max_rows) __trap();
+      count += m_tiles * ((hi - lo + kBlockN - 1) / kBlockN);
+    }
+  }
+  // Exclusive prefix of the per-thread counts over the CTA.
+  int incl = count;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) s_warp_sums[warp] = incl;
+  __syncthreads();
+  int base = incl - count;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) base += w < warp ? s_warp_sums[w] : 0;
+#pragma unroll
+  for (int j = 0; j < kMaxPer; ++j) {
+    const int e = first + j;
+    if (j < per && e <= num_experts) {
+      s_offsets[e] = loaded[j];
+      s_prefix[e] = base + tiles_before[j];
+    }
   }
 }
 

@@ -41,33 +41,68 @@ __device__ __forceinline__ void dispatch_n(int n, F&& f) {
   }
 }
 
-// K parts per tile of this launch: p.k_splits when the config supports split-K and the tiles
-// fit the workspace, else 1 (the same answer in every CTA).
+// The work units of a launch: tiles [0, whole) run whole, each later tile as `parts` K parts
+// (consecutive units, so a tile's parts run on neighbouring CTAs at about the same time). Split
+// tile t's part sp stores its partials at (t - whole) x parts + sp and arrives at counter
+// t - whole. Every CTA derives the same units from the same schedule.
+//   - configs without split-K: every tile whole;
+//   - p.k_splits > 1: every tile in k_splits parts;
+//   - p.split_fill (GemmParams): the last min(tiles, gridDim.x - tiles) tiles in two parts, so
+//     that the units fill the persistent grid's slots in one wave (none when tiles >= grid);
+//   - a launch whose split tiles exceed the workspace runs whole.
 template <class Cfg>
-__device__ __forceinline__ int split_k_units(const GemmParams& p, int num_tiles) {
+struct WorkUnits {
+  int whole;  // tiles [0, whole) run whole
+  int parts;  // K parts of each later tile (1: none split)
+  __device__ int tile(int u) const {
+    if constexpr (!Cfg::kSupportsSplitK) return u;
+    else return u < whole ? u : whole + (u - whole) / parts;
+  }
+  __device__ int part(int u) const {
+    if constexpr (!Cfg::kSupportsSplitK) return 0;
+    else return u < whole ? 0 : (u - whole) % parts;
+  }
+  __device__ int parts_of(int u) const {
+    if constexpr (!Cfg::kSupportsSplitK) return 1;
+    else return u < whole ? 1 : parts;
+  }
+  __device__ int count(int num_tiles) const { return whole + (num_tiles - whole) * parts; }
+};
+
+template <class Cfg>
+__device__ __forceinline__ WorkUnits<Cfg> work_units(const GemmParams& p, int num_tiles) {
   if constexpr (!Cfg::kSupportsSplitK) {
-    return 1;
+    return {num_tiles, 1};
   } else {
-    if (p.k_splits <= 1 || num_tiles > p.split_counters_capacity ||
-        static_cast<int64_t>(num_tiles) * p.k_splits * Cfg::kSplitUnitFloats >
-            p.split_partial_floats) {
-      return 1;
+    int split = 0, parts = 1;
+    if (p.k_splits > 1) {
+      split = num_tiles;
+      parts = p.k_splits;
+    } else if (p.split_fill != 0) {
+      split = max(0, min(num_tiles, static_cast<int>(gridDim.x) - num_tiles));
+      parts = 2;
     }
-    return p.k_splits;
+    if (split == 0 || split > p.split_counters_capacity ||
+        static_cast<int64_t>(split) * parts * Cfg::kSplitUnitFloats > p.split_partial_floats) {
+      return {num_tiles, 1};
+    }
+    return {num_tiles - split, parts};
   }
 }
 
-// Split-K hand-off after a K part of a tile has been accumulated: stores the part at `mine`,
-// arrives at the tile's `counter`, and returns true in the tile's last part to arrive, with acc =
-// the parts summed in part order (part(0) + part(1) + ..., whichever part arrives last:
-// deterministic). part(i): where part i of the tile stored its accumulators. Called by the whole
-// math warpgroup (named barrier 1 + wg).
-template <class Cfg, class PartAt>
-__device__ __forceinline__ bool split_k_reduce(float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
-                                               int32_t* counter, float* mine, int parts,
-                                               PartAt part, int wg, int tid) {
+// Split-K hand-off after part sp of split tile t (its index among the split tiles, WorkUnits)
+// has accumulated its K part: stores the part,
+// and returns true in the tile's last unit to arrive, with acc = the parts summed in split order
+// (part 0 + part 1 + ..., whichever unit arrives last: deterministic). Called by the whole math
+// warpgroup (named barrier 1 + wg).
+template <class Cfg>
+__device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
+                                               float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
+                                               int t, int sp, int splits, int wg, int tid) {
   __shared__ int s_last[Cfg::kNumMathWG];
   constexpr int kPer = Cfg::kBlockN / 2;
+  float* tile_parts = p.split_partials + static_cast<int64_t>(t) * splits * Cfg::kSplitUnitFloats;
+  float* mine = tile_parts + static_cast<int64_t>(sp) * Cfg::kSplitUnitFloats;
   const uint64_t t0 = diag::now();
 #pragma unroll
   for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
@@ -76,112 +111,50 @@ __device__ __forceinline__ bool split_k_reduce(float (&acc)[Cfg::kMBlocksPerWG][
   }
   __threadfence();  // this thread's part is visible device-wide before the arrival below
   const uint64_t t1 = diag::now();
-  if (wg == 0 && tid == 0) diag::add(diag::kReduceStoreNs, t1 - t0);
+  if (tid == 0) diag::add(diag::kReduceStoreNs, t1 - t0);
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
   if (tid == 0) {
-    const int arrived = atomicAdd(counter, 1);
-    const bool last = arrived == parts - 1;
-    if (last) *counter = 0;  // every part has arrived: ready for the next launch
+    const int arrived = atomicAdd(p.split_counters + t, 1);
+    const bool last = arrived == splits - 1;
+    if (last) p.split_counters[t] = 0;  // every part has arrived: ready for the next launch
     s_last[wg] = last;
   }
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
   const bool last = s_last[wg] != 0;
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // s_last is rewritten next tile
   const uint64_t t2 = diag::now();
-  if (wg == 0 && tid == 0) diag::add(diag::kReduceArriveNs, t2 - t1);
+  if (tid == 0) diag::add(diag::kReduceArriveNs, t2 - t1);
   if (!last) return false;
   __threadfence();  // the other parts' stores (ordered before their arrivals) are read below
+  // Part by part, all of a part's values at once: one L2 round trip per part.
+  // NOTES: the former loop (per value, a runtime loop over the parts) issued its loads one
+  // dependent round trip at a time: 5.4 us per tile finished here (DeepSeek-V3 L1 at T = 1, 2
+  // parts; MEGAMOE_DIAG_TIMELINE build, H200, d3cce03), on the critical path of the last CTAs.
 #pragma unroll
   for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int64_t at = (sub * kPer + i) * Cfg::kWarpgroupThreads + tid;
-      float sum = __ldcg(part(0) + at);
-      for (int s = 1; s < parts; ++s) sum += __ldcg(part(s) + at);
-      acc[sub][i] = sum;
+    for (int i = 0; i < kPer; ++i) acc[sub][i] = __ldcg(tile_parts + (sub * kPer + i) * Cfg::kWarpgroupThreads + tid);
+  }
+#pragma unroll 1
+  for (int s = 1; s < splits; ++s) {
+    const float* part = tile_parts + static_cast<int64_t>(s) * Cfg::kSplitUnitFloats;
+    float v[Cfg::kMBlocksPerWG][kPer];
+#pragma unroll
+    for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) v[sub][i] = __ldcg(part + (sub * kPer + i) * Cfg::kWarpgroupThreads + tid);
+    }
+#pragma unroll
+    for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) acc[sub][i] += v[sub][i];
     }
   }
-  if (wg == 0 && tid == 0) {
+  if (tid == 0) {
     diag::add(diag::kReduceSumNs, diag::now() - t2);
     diag::add(diag::kLastArrivals, 1);
   }
   return true;
-}
-
-// Stream-K (GemmParams::stream_k, split configs): the launch's work, every tile's K stages one
-// after the other (tile-major), is cut into gridDim.x equal ranges of stages, CTA b taking
-// [b W / G, (b + 1) W / G) of the W = tiles x stages: every CTA streams the same weight bytes in
-// one pass, whatever the tile count. A tile cut by range boundaries is finished by its parts'
-// split-K hand-off. Part i of tile t is the range of CTA first(t) + i; its accumulators live in
-// slot 2c (the range of CTA c starts inside the tile) or 2c + 1 (it ends inside it), and the
-// tile's counter is first(t)'s (no other cut tile starts in that CTA's range).
-// With fewer stages than CTAs only the first W CTAs take a range (one stage each), so that no
-// range is empty: every CTA between first(t) and the owner of t's last stage is one of t's parts.
-// (W < 2^31: the launcher checks its bound; the products are taken in 64 bits.)
-struct StreamK {
-  int work;    // W = tiles x stages per tile
-  int stages;  // stages per tile
-  int grid;    // G = min(gridDim.x, W): the CTAs that take a range
-  __device__ StreamK(int work_, int stages_, int ctas)
-      : work(work_), stages(stages_), grid(min(ctas, work_)) {}
-  __device__ int begin(int cta) const {
-    return cta >= grid ? work : static_cast<int>(static_cast<int64_t>(cta) * work / grid);
-  }
-  // The CTA whose range holds stage index i (the largest c with begin(c) <= i).
-  __device__ int owner(int i) const {
-    return static_cast<int>(((static_cast<int64_t>(i) + 1) * grid - 1) / work);
-  }
-  __device__ int slot(int cta, int tile) const {
-    return 2 * cta + (begin(cta) >= tile * stages ? 0 : 1);
-  }
-};
-
-// The epilogue of one finished tile, run by each math warpgroup on its blocks (the
-// configurations without the asynchronous epilogue).
-template <class Cfg, GemmKind kKind>
-__device__ __forceinline__ void epilogue_tile(const GemmParams& p, const TileInfo& tile,
-                                              float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
-                                              const bool (&valid)[Cfg::kMBlocksPerWG],
-                                              uint16_t* smem_stage, float* smem_amax, int wg,
-                                              int tid) {
-#pragma unroll
-  for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
-    if (!valid[sub]) continue;
-    const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
-    if constexpr (kKind == GemmKind::kL1 && Cfg::kStagedEpilogue) {
-      switch (p.activation.kind) {
-        case ActivationKind::kSwiglu:
-          epilogue_l1_staged<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-          break;
-        case ActivationKind::kSitu:
-          epilogue_l1_staged<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-          break;
-        case ActivationKind::kSwigluOai:
-          epilogue_l1_staged<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-          break;
-      }
-    } else if constexpr (kKind == GemmKind::kL1) {
-      switch (p.activation.kind) {
-        case ActivationKind::kSwiglu:
-          epilogue_l1<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-          break;
-        case ActivationKind::kSitu:
-          epilogue_l1<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-          break;
-        case ActivationKind::kSwigluOai:
-          epilogue_l1<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-          break;
-      }
-    } else if constexpr (Cfg::kStagedEpilogue) {
-      if (p.bias == nullptr) {
-        epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-      } else {
-        epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
-      }
-    } else {
-      epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
-    }
-  }
 }
 
 template <class Cfg, GemmKind kKind>
@@ -235,20 +208,24 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   // would be placed the same way, so neither gather nor the GEMMs release their successor early.
   // (A tile counter taken at run time, instead of the static split, would lift this.)
   if (!prefetch) ptx::grid_dependency_wait();
-  build_schedule<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows, m_tiles,
-                                              s_offsets, s_prefix);
+  if constexpr (Cfg::kUseSetMaxNReg) {
+    build_schedule_rounds<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows,
+                                                       m_tiles, s_offsets, s_prefix);
+  } else {
+    build_schedule<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows, m_tiles,
+                                                s_offsets, s_prefix);
+  }
   __syncthreads();
   if (threadIdx.x == 0) diag::stamp(diag::kScheduleBuilt);
   const TileScheduler<Cfg::kBlockN, Cfg::kMBlocksPerCta> sched{
       s_offsets, s_prefix, p.num_experts, total_m_blocks, m_tiles};
   const int num_tiles = sched.total_tiles();
-  // Work units: tile t, K part sp = unit u / splits, u % splits (the parts of a tile run on
-  // neighbouring CTAs at about the same time). k_begin(sp, parts): part sp's first k-block,
-  // covering stages [sp S / parts, (sp + 1) S / parts) of the S = num_k_blocks /
-  // kKBlocksPerStage stages (the launcher keeps parts <= S, so no part is empty); the producer
-  // and the math warpgroups both take their k range from it.
-  const int splits = split_k_units<Cfg>(p, num_tiles);
-  const int num_units = num_tiles * splits;
+  // Work units (WorkUnits): unit u is part units.part(u) of tile units.tile(u).
+  // k_begin(sp, parts): part sp's first k-block, covering stages [sp S / parts, (sp + 1) S /
+  // parts) of the S = num_k_blocks / kKBlocksPerStage stages (the launcher keeps parts <= S, so
+  // no part is empty); the producer and the math warpgroups both take their k range from it.
+  const WorkUnits<Cfg> units = work_units<Cfg>(p, num_tiles);
+  const int num_units = units.count(num_tiles);
   const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
   auto k_begin = [&](int sp, int parts) {
     return sp * num_k_stages / parts * Cfg::kKBlocksPerStage;
@@ -325,66 +302,38 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     // (stages 0.. of phase 0, whose empty barriers are free) get their weight copies now; the
     // loop below then issues only their B boxes (act / h_act: written by the previous kernel).
     int ahead = 0;
-    int stage = 0;
-    uint32_t phase = 0;
-    // One stage: its weights (unless prefetched) and its B boxes.
-    auto issue_stage = [&](const TileInfo& tile, int kb) {
-      if (ahead > 0) {
-        --ahead;  // weights already issued (same range, k-block and stage)
-      } else {
-        ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
-        copy_weights(tile, kb, stage);
-      }
-#pragma unroll
-      for (int j = 0; j < kKSub; ++j) {
-        ptx::tma_load_2d(smem_b + stage * Cfg::kSmemBBytes + j * Cfg::kSmemBBoxBytes, &tmap_b,
-                         (kb + j) * Cfg::kBlockK, tile.row0, &full_bars[stage]);
-      }
-      if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
-    };
-    // PDL: the first range's first stages (phase 0, whose empty barriers are free) get their
-    // weight copies before the wait.
-    auto prefetch_first = [&](int t, int kb_begin, int kb_end) {
-      const TileInfo tile = sched.get(t);
-      for (int kb = kb_begin; kb < kb_end && ahead < Cfg::kNumStages; kb += kKSub) {
-        copy_weights(tile, kb, ahead++);
-      }
-    };
-    if constexpr (Cfg::kSupportsSplitK) {
-      if (p.stream_k != 0) {
-        const StreamK sk{num_tiles * num_k_stages, num_k_stages, static_cast<int>(gridDim.x)};
-        const int end = sk.begin(blockIdx.x + 1);
-        auto range_at = [&](int it, int& t, int& s0, int& s1) {
-          t = it / num_k_stages;
-          s0 = it - t * num_k_stages;
-          s1 = min(num_k_stages, s0 + (end - it));
-        };
-        int t, s0, s1;
-        if (prefetch) {
-          if (sk.begin(blockIdx.x) < end) {
-            range_at(sk.begin(blockIdx.x), t, s0, s1);
-            prefetch_first(t, s0 * kKSub, s1 * kKSub);
-          }
-          ptx::grid_dependency_wait();
-        }
-        for (int it = sk.begin(blockIdx.x); it < end; it += s1 - s0) {
-          range_at(it, t, s0, s1);
-          const TileInfo tile = sched.get(t);
-          for (int kb = s0 * kKSub; kb < s1 * kKSub; kb += kKSub) issue_stage(tile, kb);
-        }
-        diag::stamp(diag::kProducerDone);
-        return;
-      }
-    }
     if (prefetch) {
       const int u = blockIdx.x;
-      if (u < num_units) prefetch_first(u / splits, k_begin(u % splits, splits), k_begin(u % splits + 1, splits));
+      if (u < num_units) {
+        const TileInfo tile = sched.get(units.tile(u));
+        const int kb_end = k_begin(units.part(u) + 1, units.parts_of(u));
+        for (int kb = k_begin(units.part(u), units.parts_of(u)); kb < kb_end && ahead < Cfg::kNumStages;
+             kb += kKSub) {
+          copy_weights(tile, kb, ahead++);
+        }
+      }
       ptx::grid_dependency_wait();
     }
+    int stage = 0;
+    uint32_t phase = 0;
     for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
-      const TileInfo tile = sched.get(u / splits);
-      const int kb_begin = k_begin(u % splits, splits), kb_end = k_begin(u % splits + 1, splits);
-      for (int kb = kb_begin; kb < kb_end; kb += kKSub) issue_stage(tile, kb);
+      const TileInfo tile = sched.get(units.tile(u));
+      const int kb_begin = k_begin(units.part(u), units.parts_of(u));
+      const int kb_end = k_begin(units.part(u) + 1, units.parts_of(u));
+      for (int kb = kb_begin; kb < kb_end; kb += kKSub) {
+        if (ahead > 0) {
+          --ahead;  // weights already issued (same unit, k-block and stage)
+        } else {
+          ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
+          copy_weights(tile, kb, stage);
+        }
+#pragma unroll
+        for (int j = 0; j < kKSub; ++j) {
+          ptx::tma_load_2d(smem_b + stage * Cfg::kSmemBBytes + j * Cfg::kSmemBBoxBytes, &tmap_b,
+                           (kb + j) * Cfg::kBlockK, tile.row0, &full_bars[stage]);
+        }
+        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+      }
     }
     diag::stamp(diag::kProducerDone);
   } else {
@@ -395,65 +344,16 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     float acc[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2];
     int stage = 0;
     uint32_t phase = 0;
-    // NOTES: the split count is re-read (from the schedule in shared memory) where it is used
+    // NOTES: the work units are re-derived (from the schedule in shared memory) where they are used
     // after the mainloop instead of kept live across it: the split tile runs at the register cap
     // of 4 CTAs per SM, where the live values spilled (24 bytes, L1; measured when the split
     // path was still compiled into Decode16X2K2).
-    auto live_splits = [&] { return split_k_units<Cfg>(p, sched.total_tiles()); };
-    if constexpr (Cfg::kSupportsSplitK) {
-      if (p.stream_k != 0) {
-        // The producer's ranges (StreamK), in the same order. The range end and the work size
-        // are re-derived from the schedule after the mainloop rather than kept live across it
-        // (this tile runs at the register cap of 4 CTAs per SM).
-        auto stream_k = [&] {
-          return StreamK{sched.total_tiles() * num_k_stages, num_k_stages, static_cast<int>(gridDim.x)};
-        };
-        int ranges = 0;
-        for (int it = stream_k().begin(blockIdx.x), next; it < stream_k().begin(blockIdx.x + 1); it = next) {
-          const int t = it / num_k_stages;
-          const int s0 = it - t * num_k_stages;
-          const int s1 = min(num_k_stages, s0 + (stream_k().begin(blockIdx.x + 1) - it));
-          next = it + (s1 - s0);
-          const TileInfo tile = sched.get(t);
-          bool valid[Cfg::kMBlocksPerWG];
-#pragma unroll
-          for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
-            valid[sub] = wg * Cfg::kMBlocksPerWG + sub < tile.num_m_blocks;
-          }
-          dispatch_n<Cfg::kNStep, Cfg::kBlockN>(tile.num_rows, [&](auto n_tag) {
-            ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
-                                                      empty_bars, (s1 - s0) * Cfg::kKBlocksPerStage,
-                                                      wg, tid, stage, phase);
-          });
-          if (wg == 0 && tid == 0 && ranges++ == 0) diag::stamp(diag::kFirstUnitDone);
-          if (s0 != 0 || s1 != num_k_stages) {  // a part of a cut tile
-            const StreamK sk = stream_k();
-            const int first_stage = t * num_k_stages;
-            const int first = sk.owner(first_stage);
-            const int parts = sk.owner(first_stage + num_k_stages - 1) - first + 1;
-            auto part = [&](int i) {
-              return p.split_partials + static_cast<int64_t>(sk.slot(first + i, t)) * Cfg::kSplitUnitFloats;
-            };
-            if (!split_k_reduce<Cfg>(acc, p.split_counters + first, part(blockIdx.x - first), parts,
-                                     part, wg, tid)) {
-              continue;
-            }
-          }
-          const uint64_t e0 = diag::now();
-          epilogue_tile<Cfg, kKind>(p, tile, acc, valid, smem_stage, smem_amax, wg, tid);
-          if (wg == 0 && tid == 0) diag::add(diag::kEpilogueNs, diag::now() - e0);
-        }
-        if (wg == 0 && tid == 0) {
-          diag::stamp(diag::kMathDone);
-          diag::record(diag::kUnits, ranges);
-        }
-        return;
-      }
-    }
-    for (int u = blockIdx.x; u < sched.total_tiles() * live_splits(); u += gridDim.x) {
-      const int n_splits = live_splits();
-      const TileInfo tile = sched.get(u / n_splits);
-      const int unit_k_blocks = k_begin(u % n_splits + 1, n_splits) - k_begin(u % n_splits, n_splits);
+    auto live_units = [&] { return work_units<Cfg>(p, sched.total_tiles()); };
+    for (int u = blockIdx.x; u < live_units().count(sched.total_tiles()); u += gridDim.x) {
+      const WorkUnits<Cfg> lu = live_units();
+      const TileInfo tile = sched.get(lu.tile(u));
+      const int unit_k_blocks =
+          k_begin(lu.part(u) + 1, lu.parts_of(u)) - k_begin(lu.part(u), lu.parts_of(u));
       bool valid[Cfg::kMBlocksPerWG];
 #pragma unroll
       for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
@@ -465,14 +365,10 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       });
       if (wg == 0 && tid == 0 && u == static_cast<int>(blockIdx.x)) diag::stamp(diag::kFirstUnitDone);
       if constexpr (Cfg::kSupportsSplitK) {
-        const int n_splits = live_splits();
-        if (n_splits > 1) {
-          const int t = u / n_splits;
-          float* tile_parts = p.split_partials + static_cast<int64_t>(t) * n_splits * Cfg::kSplitUnitFloats;
-          auto part = [&](int sp) { return tile_parts + static_cast<int64_t>(sp) * Cfg::kSplitUnitFloats; };
-          if (!split_k_reduce<Cfg>(acc, p.split_counters + t, part(u % n_splits), n_splits, part, wg, tid)) {
-            continue;
-          }
+        const WorkUnits<Cfg> lu = live_units();
+        if (lu.parts_of(u) > 1 &&
+            !split_k_reduce<Cfg>(p, acc, lu.tile(u) - lu.whole, lu.part(u), lu.parts, wg, tid)) {
+          continue;
         }
       }
       if constexpr (Cfg::kAsyncEpilogue) {
@@ -497,15 +393,52 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
         ptx::named_barrier_arrive(Cfg::kBarStaged + 2 * wg, Cfg::kStageSyncThreads);
       } else {
         const uint64_t e0 = diag::now();
-        epilogue_tile<Cfg, kKind>(p, tile, acc, valid, smem_stage, smem_amax, wg, tid);
+#pragma unroll
+        for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+          if (!valid[sub]) continue;
+          const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
+          if constexpr (kKind == GemmKind::kL1 && Cfg::kStagedEpilogue) {
+            switch (p.activation.kind) {
+              case ActivationKind::kSwiglu:
+                epilogue_l1_staged<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+                break;
+              case ActivationKind::kSitu:
+                epilogue_l1_staged<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+                break;
+              case ActivationKind::kSwigluOai:
+                epilogue_l1_staged<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+                break;
+            }
+          } else if constexpr (kKind == GemmKind::kL1) {
+            switch (p.activation.kind) {
+              case ActivationKind::kSwiglu:
+                epilogue_l1<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+                break;
+              case ActivationKind::kSitu:
+                epilogue_l1<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+                break;
+              case ActivationKind::kSwigluOai:
+                epilogue_l1<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+                break;
+            }
+          } else if constexpr (Cfg::kStagedEpilogue) {
+            if (p.bias == nullptr) {
+              epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+            } else {
+              epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
+            }
+          } else {
+            epilogue_l2<Cfg>(p, tile, mblk, acc[sub], tid);
+          }
+        }
         if (wg == 0 && tid == 0) diag::add(diag::kEpilogueNs, diag::now() - e0);
       }
     }
     if (wg == 0 && tid == 0) {
       diag::stamp(diag::kMathDone);
-      const int units = sched.total_tiles() * live_splits();
-      diag::record(diag::kUnits, blockIdx.x < static_cast<unsigned>(units)
-                                     ? (units - blockIdx.x + gridDim.x - 1) / gridDim.x
+      const int n = live_units().count(sched.total_tiles());
+      diag::record(diag::kUnits, blockIdx.x < static_cast<unsigned>(n)
+                                     ? (n - blockIdx.x + gridDim.x - 1) / gridDim.x
                                      : 0);
     }
   }

@@ -62,6 +62,15 @@ int split_k_parts(int64_t tiles, int64_t slots, int64_t stages) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({slots / tiles, kMaxKSplits, stages})));
 }
 
+// Split to fill (kDecode16X2K2Fill): a launch with between half and all as many 128-row tiles as
+// CTA slots runs the last slots - tiles of them as two K parts, one unit per slot.
+// NOTES: why: MEGAMOE_DIAG_TIMELINE at T = 1 (H200, d3cce03): Kimi-K3 L2's 448 tiles on 132 SMs
+// x 4 slots leave 80 slots idle, so 52 SMs run four tiles and 80 three; the SMs with four
+// finished at 41 us, the median SM at 33.5 (DeepSeek-V3 L2, also 448 tiles: 31.5 against 25.2).
+// The math warps of an SM's CTAs share its issue slots, so an SM's time follows its tiles.
+// Half tiles on the idle slots even the SMs out. (Stream-K, every CTA an equal range of K
+// stages, measured slower at every T = 1 launch: every CTA paid its cut tiles' hand-offs.)
+
 // Fraction of the CTA slots busy over the waves of a persistent launch of `tiles` tiles.
 double wave_fill(int64_t tiles, int64_t slots) {
   const int64_t waves = (tiles + slots - 1) / slots;
@@ -128,23 +137,6 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
                       " pipeline stages of K = ", p.k, ", got ", p.k_splits);
   }
   const auto& dev = cuda::device_info();
-  const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
-  if (p.stream_k != 0) {
-    MEGAMOE_CHECK_ARG(Cfg::kSupportsSplitK, "sm90 gemm: stream-K runs only on the split tile");
-    MEGAMOE_CHECK_ARG(p.split_partials != nullptr && p.split_counters != nullptr &&
-                          p.split_counters_capacity >= grid &&
-                          p.split_partial_floats >= int64_t(2) * grid * Cfg::kSplitUnitFloats,
-                      "sm90 gemm: tile kDecode16X2K2Stream (", static_cast<int>(GemmTile::kDecode16X2K2Stream),
-                      ") needs a split_k workspace of at least ", grid, " counters and ",
-                      int64_t(2) * grid * Cfg::kSplitUnitFloats, " partial floats, got ",
-                      p.split_counters_capacity, " and ", p.split_partial_floats);
-    // The kernel counts the launch's stages in 32 bits (StreamK): bound them by the most tiles
-    // the row capacity allows.
-    const int64_t m_tiles = (p.m_rows / sm90_layout::kBlockRows + Cfg::kMBlocksPerCta - 1) / Cfg::kMBlocksPerCta;
-    const int64_t max_tiles = (static_cast<int64_t>(p.max_rows) / Cfg::kBlockN + p.num_experts) * m_tiles;
-    MEGAMOE_CHECK_ARG(max_tiles * (p.k / Cfg::kBlockK) < (int64_t(1) << 31),
-                      "sm90 gemm: stream-K: max_rows ", p.max_rows, " allows too many K stages for one launch");
-  }
   const size_t smem = Cfg::smem_bytes(p.num_experts);
   MEGAMOE_CHECK(static_cast<int64_t>(Cfg::smem_bytes(kMaxLocalExperts)) <= dev.smem_per_block_optin,
                 ErrorCode::kUnsupported, "sm90 gemm: needs ", Cfg::smem_bytes(kMaxLocalExperts),
@@ -156,6 +148,7 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
   });
   const CUtensorMap map =
       make_rows_map(b_rows, static_cast<int64_t>(p.max_rows) + kRowSlack, p.k, Cfg::kBlockN);
+  const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
   cuda::launch(kernel, grid, Cfg::kThreads, smem, stream, p.prefetch_before_wait != 0, map, p);
 }
 
@@ -228,8 +221,16 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
                        x2_tiles <= p.split_counters_capacity &&
                        x2_tiles * parts * Decode16X2K2SplitConfig::kSplitUnitFloats <=
                            p.split_partial_floats;
+    // Between half and all of the slots: the last slots - tiles tiles in two K parts, one unit
+    // per slot (Decode16X2K2Fill).
+    const int64_t fill_split = slots - x2_tiles;
+    const bool fill = auto_splits && !split && p.split_partials != nullptr && x2_tiles < slots &&
+                      2 * x2_tiles > slots && fill_split <= p.split_counters_capacity &&
+                      fill_split * 2 * Decode16X2K2SplitConfig::kSplitUnitFloats <= p.split_partial_floats &&
+                      k_staged_stages<Decode16X2K2SplitConfig>(p.k) >= 2;
     const GemmTile decode_overlap =
         split                                               ? GemmTile::kDecode16X2K2Split
+        : fill                                              ? GemmTile::kDecode16X2K2Fill
         : x2_tiles * kDecodeFillDen < slots * kDecodeFillNum ? GemmTile::kDecode16Overlap
         : three_per_sm                                      ? GemmTile::kDecode16X2K2x3
                                                             : GemmTile::kDecode16X2K2;
@@ -293,11 +294,15 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
     case GemmTile::kDecode16X2K2Split:
       launch_k_staged<Decode16X2K2SplitConfig, Decode16X2OverlapSplitConfig, kKind>(p, b_rows, stream);
       return;
-    case GemmTile::kDecode16X2K2Stream:
-      MEGAMOE_CHECK_ARG(p.k_splits <= 1, "sm90 gemm: k_splits: tile kDecode16X2K2Stream (",
-                        static_cast<int>(GemmTile::kDecode16X2K2Stream),
-                        ") takes its K ranges from the grid: expected k_splits 0 or 1, got ", p.k_splits);
-      p.stream_k = 1;
+    case GemmTile::kDecode16X2K2Fill:
+      MEGAMOE_CHECK_ARG(p.k_splits <= 1, "sm90 gemm: k_splits: tile kDecode16X2K2Fill (",
+                        static_cast<int>(GemmTile::kDecode16X2K2Fill),
+                        ") picks its split tiles from the grid: expected k_splits 0 or 1, got ",
+                        p.k_splits);
+      MEGAMOE_CHECK_ARG(p.split_partials != nullptr && p.split_counters != nullptr,
+                        "sm90 gemm: tile kDecode16X2K2Fill (", static_cast<int>(GemmTile::kDecode16X2K2Fill),
+                        ") needs a split_k workspace, got an empty one");
+      p.split_fill = 1;
       launch_k_staged<Decode16X2K2SplitConfig, Decode16X2OverlapSplitConfig, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kDecode8X2K2:
@@ -352,14 +357,13 @@ void set_split_k(GemmParams& p, const SplitKWorkspace& ws, int k_splits, const c
 }  // namespace
 
 int split_k_counters() {
-  // kAuto splits only launches with at most half as many tiles as CTA slots; stream-K needs one
-  // counter per CTA.
-  return cuda::device_info().sm_count * static_cast<int>(Decode16X2K2SplitConfig::kMinBlocksPerSM);
+  // kAuto splits only launches with at most half as many tiles as CTA slots.
+  return cuda::device_info().sm_count * static_cast<int>(kDecodeCtasPerSm) / 2;
 }
 
 int64_t split_k_partial_floats() {
-  // Split-K: at most one unit per CTA slot; stream-K: two per CTA (~8 MiB on an H200).
-  return int64_t(2) * cuda::device_info().sm_count * Decode16X2K2SplitConfig::kMinBlocksPerSM *
+  // At most one unit per CTA slot (~4 MiB on an H200).
+  return static_cast<int64_t>(cuda::device_info().sm_count) * kDecodeCtasPerSm *
          Decode16X2K2SplitConfig::kSplitUnitFloats;
 }
 
