@@ -51,10 +51,6 @@ struct GemmParams {
   int64_t split_partial_floats = 0;
   int32_t* split_counters = nullptr;     // [split_counters_capacity], zero-initialized
   int split_counters_capacity = 0;
-  // Split to fill (split configs, GemmTile::kDecode16X2K2Fill; k_splits <= 1): only the last
-  // min(tiles, gridDim.x - tiles) tiles run as two K parts, so a launch with fewer tiles than
-  // CTA slots runs one unit per slot in one wave (sm90_grouped_gemm_bf16_mxfp4.cuh, WorkUnits).
-  int split_fill = 0;
   // Programmatic dependent launch (L1Args / L2Args::programmatic): build the schedule from
   // row_offsets and issue the first stages' weight copies before waiting for the previous kernel
   // of the stream (configs without setmaxnreg; the others wait first). 0: wait first (also

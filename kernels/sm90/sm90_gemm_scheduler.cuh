@@ -59,7 +59,8 @@ struct TileScheduler {
 // milliseconds, where the rounds' microsecond does not matter.
 template <int kThreads, int kBlockN>
 __device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, int num_experts,
-                               int max_rows, int m_tiles, int32_t* s_offsets, int32_t* s_prefix) {
+                                      int max_rows, int m_tiles, int32_t* s_offsets,
+                                      int32_t* s_prefix) {
   __shared__ int32_t s_warp_sums[kThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   // All of a thread's loads are issued before the first store, so the CTA waits for one global
@@ -113,13 +114,16 @@ __device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, i
 
 // Loads row_offsets into shared memory, checks them, and writes the tile prefix. Called by all
 // kThreads threads of the CTA (contains __syncthreads; the caller synchronizes after it).
-// Thread i owns the C = ceil((E + 1) / kThreads) consecutive entries [i C, i C + C): it loads them
-// and the next one (all loads issued before the first use: the CTA waits for one global load
-// latency), checks and counts its experts' tiles in registers, and one block-wide scan of the
-// per-thread counts gives every prefix.
+// The loads are coalesced (thread i loads entries i, i + kThreads, ...; all of a thread's loads
+// are issued before its first store, so the CTA waits for one global load latency) into shared
+// memory; then thread i takes the C = ceil((E + 1) / kThreads) consecutive entries [i C, i C + C)
+// from there (a stride of C words: no bank conflicts for odd C), checks and counts its experts'
+// tiles in registers, and one block-wide scan of the per-thread counts gives every prefix.
 // NOTES: the former version scanned kThreads experts per round with two __syncthreads each (6
-// rounds at E_l = 896): the schedule took 2.6-3.4 us from kernel entry at Kimi-K3 T = 1, 1.5-2.2
-// at DeepSeek-V3 (MEGAMOE_DIAG_TIMELINE build, H200, d3cce03), a fixed cost of every launch.
+// rounds at E_l = 896; 2.6-3.2 us from kernel entry to the schedule at Kimi-K3 T = 1, 1.5-2.2 at
+// DeepSeek-V3: MEGAMOE_DIAG_TIMELINE build, H200, d3cce03). A first one-round version that
+// loaded each thread's C entries straight from global memory (C words apart across a warp, 7x
+// the L2 requests of coalesced loads) was slower: 2.5-5.2 us (64e566b).
 // NOTES: ld.global.cg (L2), not the read-only path: with programmatic dependent launch this
 // runs before the grid's dependency wait (GemmParams::prefetch_before_wait).
 template <int kThreads, int kBlockN>
@@ -128,22 +132,32 @@ __device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_
   __shared__ int32_t s_warp_sums[kThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   constexpr int kMaxPer = (kMaxLocalExperts + 1 + kThreads - 1) / kThreads;
+  {
+    int32_t loaded[kMaxPer];
+#pragma unroll
+    for (int i = 0; i < kMaxPer; ++i) {
+      const int e = tid + i * kThreads;
+      loaded[i] = e <= num_experts ? __ldcg(row_offsets + e) : 0;
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxPer; ++i) {
+      const int e = tid + i * kThreads;
+      if (e <= num_experts) s_offsets[e] = loaded[i];
+    }
+  }
+  __syncthreads();
   const int per = (num_experts + 1 + kThreads - 1) / kThreads;  // C <= kMaxPer
   const int first = tid * per;
-  int32_t loaded[kMaxPer + 1];
-#pragma unroll
-  for (int j = 0; j <= kMaxPer; ++j) {
-    const int e = first + j;
-    loaded[j] = j <= per && e <= num_experts ? __ldcg(row_offsets + e) : 0;
-  }
   int tiles_before[kMaxPer];  // this thread's tiles before entry first + j
   int count = 0;
+  int hi = first <= num_experts ? s_offsets[first] : 0;
 #pragma unroll
   for (int j = 0; j < kMaxPer; ++j) {
     const int e = first + j;
     tiles_before[j] = count;
     if (j < per && e < num_experts) {
-      const int lo = loaded[j], hi = loaded[j + 1];
+      const int lo = hi;
+      hi = s_offsets[e + 1];
       // Invalid offsets would index out of bounds: fail the launch (no printf: see mbar_wait).
       if (lo < 0 || hi < lo || hi > max_rows) __trap();
       count += m_tiles * ((hi - lo + kBlockN - 1) / kBlockN);
@@ -164,10 +178,7 @@ __device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_
 #pragma unroll
   for (int j = 0; j < kMaxPer; ++j) {
     const int e = first + j;
-    if (j < per && e <= num_experts) {
-      s_offsets[e] = loaded[j];
-      s_prefix[e] = base + tiles_before[j];
-    }
+    if (j < per && e <= num_experts) s_prefix[e] = base + tiles_before[j];
   }
 }
 

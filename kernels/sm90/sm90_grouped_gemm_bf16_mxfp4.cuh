@@ -41,57 +41,23 @@ __device__ __forceinline__ void dispatch_n(int n, F&& f) {
   }
 }
 
-// The work units of a launch: tiles [0, whole) run whole, each later tile as `parts` K parts
-// (consecutive units, so a tile's parts run on neighbouring CTAs at about the same time). Split
-// tile t's part sp stores its partials at (t - whole) x parts + sp and arrives at counter
-// t - whole. Every CTA derives the same units from the same schedule.
-//   - configs without split-K: every tile whole;
-//   - p.k_splits > 1: every tile in k_splits parts;
-//   - p.split_fill (GemmParams): the last min(tiles, gridDim.x - tiles) tiles in two parts, so
-//     that the units fill the persistent grid's slots in one wave (none when tiles >= grid);
-//   - a launch whose split tiles exceed the workspace runs whole.
+// K parts per tile of this launch: p.k_splits when the config supports split-K and the tiles
+// fit the workspace, else 1 (the same answer in every CTA).
 template <class Cfg>
-struct WorkUnits {
-  int whole;  // tiles [0, whole) run whole
-  int parts;  // K parts of each later tile (1: none split)
-  __device__ int tile(int u) const {
-    if constexpr (!Cfg::kSupportsSplitK) return u;
-    else return u < whole ? u : whole + (u - whole) / parts;
-  }
-  __device__ int part(int u) const {
-    if constexpr (!Cfg::kSupportsSplitK) return 0;
-    else return u < whole ? 0 : (u - whole) % parts;
-  }
-  __device__ int parts_of(int u) const {
-    if constexpr (!Cfg::kSupportsSplitK) return 1;
-    else return u < whole ? 1 : parts;
-  }
-  __device__ int count(int num_tiles) const { return whole + (num_tiles - whole) * parts; }
-};
-
-template <class Cfg>
-__device__ __forceinline__ WorkUnits<Cfg> work_units(const GemmParams& p, int num_tiles) {
+__device__ __forceinline__ int split_k_units(const GemmParams& p, int num_tiles) {
   if constexpr (!Cfg::kSupportsSplitK) {
-    return {num_tiles, 1};
+    return 1;
   } else {
-    int split = 0, parts = 1;
-    if (p.k_splits > 1) {
-      split = num_tiles;
-      parts = p.k_splits;
-    } else if (p.split_fill != 0) {
-      split = max(0, min(num_tiles, static_cast<int>(gridDim.x) - num_tiles));
-      parts = 2;
+    if (p.k_splits <= 1 || num_tiles > p.split_counters_capacity ||
+        static_cast<int64_t>(num_tiles) * p.k_splits * Cfg::kSplitUnitFloats >
+            p.split_partial_floats) {
+      return 1;
     }
-    if (split == 0 || split > p.split_counters_capacity ||
-        static_cast<int64_t>(split) * parts * Cfg::kSplitUnitFloats > p.split_partial_floats) {
-      return {num_tiles, 1};
-    }
-    return {num_tiles - split, parts};
+    return p.k_splits;
   }
 }
 
-// Split-K hand-off after part sp of split tile t (its index among the split tiles, WorkUnits)
-// has accumulated its K part: stores the part,
+// Split-K hand-off after unit (tile t, part sp) has accumulated its K part: stores the part,
 // and returns true in the tile's last unit to arrive, with acc = the parts summed in split order
 // (part 0 + part 1 + ..., whichever unit arrives last: deterministic). Called by the whole math
 // warpgroup (named barrier 1 + wg).
@@ -220,12 +186,13 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   const TileScheduler<Cfg::kBlockN, Cfg::kMBlocksPerCta> sched{
       s_offsets, s_prefix, p.num_experts, total_m_blocks, m_tiles};
   const int num_tiles = sched.total_tiles();
-  // Work units (WorkUnits): unit u is part units.part(u) of tile units.tile(u).
-  // k_begin(sp, parts): part sp's first k-block, covering stages [sp S / parts, (sp + 1) S /
-  // parts) of the S = num_k_blocks / kKBlocksPerStage stages (the launcher keeps parts <= S, so
-  // no part is empty); the producer and the math warpgroups both take their k range from it.
-  const WorkUnits<Cfg> units = work_units<Cfg>(p, num_tiles);
-  const int num_units = units.count(num_tiles);
+  // Work units: tile t, K part sp = unit u / splits, u % splits (the parts of a tile run on
+  // neighbouring CTAs at about the same time). k_begin(sp, parts): part sp's first k-block,
+  // covering stages [sp S / parts, (sp + 1) S / parts) of the S = num_k_blocks /
+  // kKBlocksPerStage stages (the launcher keeps parts <= S, so no part is empty); the producer
+  // and the math warpgroups both take their k range from it.
+  const int splits = split_k_units<Cfg>(p, num_tiles);
+  const int num_units = num_tiles * splits;
   const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
   auto k_begin = [&](int sp, int parts) {
     return sp * num_k_stages / parts * Cfg::kKBlocksPerStage;
@@ -305,9 +272,9 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     if (prefetch) {
       const int u = blockIdx.x;
       if (u < num_units) {
-        const TileInfo tile = sched.get(units.tile(u));
-        const int kb_end = k_begin(units.part(u) + 1, units.parts_of(u));
-        for (int kb = k_begin(units.part(u), units.parts_of(u)); kb < kb_end && ahead < Cfg::kNumStages;
+        const TileInfo tile = sched.get(u / splits);
+        const int kb_end = k_begin(u % splits + 1, splits);
+        for (int kb = k_begin(u % splits, splits); kb < kb_end && ahead < Cfg::kNumStages;
              kb += kKSub) {
           copy_weights(tile, kb, ahead++);
         }
@@ -317,9 +284,8 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     int stage = 0;
     uint32_t phase = 0;
     for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
-      const TileInfo tile = sched.get(units.tile(u));
-      const int kb_begin = k_begin(units.part(u), units.parts_of(u));
-      const int kb_end = k_begin(units.part(u) + 1, units.parts_of(u));
+      const TileInfo tile = sched.get(u / splits);
+      const int kb_begin = k_begin(u % splits, splits), kb_end = k_begin(u % splits + 1, splits);
       for (int kb = kb_begin; kb < kb_end; kb += kKSub) {
         if (ahead > 0) {
           --ahead;  // weights already issued (same unit, k-block and stage)
@@ -344,16 +310,15 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     float acc[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2];
     int stage = 0;
     uint32_t phase = 0;
-    // NOTES: the work units are re-derived (from the schedule in shared memory) where they are used
+    // NOTES: the split count is re-read (from the schedule in shared memory) where it is used
     // after the mainloop instead of kept live across it: the split tile runs at the register cap
     // of 4 CTAs per SM, where the live values spilled (24 bytes, L1; measured when the split
     // path was still compiled into Decode16X2K2).
-    auto live_units = [&] { return work_units<Cfg>(p, sched.total_tiles()); };
-    for (int u = blockIdx.x; u < live_units().count(sched.total_tiles()); u += gridDim.x) {
-      const WorkUnits<Cfg> lu = live_units();
-      const TileInfo tile = sched.get(lu.tile(u));
-      const int unit_k_blocks =
-          k_begin(lu.part(u) + 1, lu.parts_of(u)) - k_begin(lu.part(u), lu.parts_of(u));
+    auto live_splits = [&] { return split_k_units<Cfg>(p, sched.total_tiles()); };
+    for (int u = blockIdx.x; u < sched.total_tiles() * live_splits(); u += gridDim.x) {
+      const int n_splits = live_splits();
+      const TileInfo tile = sched.get(u / n_splits);
+      const int unit_k_blocks = k_begin(u % n_splits + 1, n_splits) - k_begin(u % n_splits, n_splits);
       bool valid[Cfg::kMBlocksPerWG];
 #pragma unroll
       for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
@@ -365,9 +330,9 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       });
       if (wg == 0 && tid == 0 && u == static_cast<int>(blockIdx.x)) diag::stamp(diag::kFirstUnitDone);
       if constexpr (Cfg::kSupportsSplitK) {
-        const WorkUnits<Cfg> lu = live_units();
-        if (lu.parts_of(u) > 1 &&
-            !split_k_reduce<Cfg>(p, acc, lu.tile(u) - lu.whole, lu.part(u), lu.parts, wg, tid)) {
+        const int n_splits = live_splits();
+        if (n_splits > 1 &&
+            !split_k_reduce<Cfg>(p, acc, u / n_splits, u % n_splits, n_splits, wg, tid)) {
           continue;
         }
       }
@@ -436,7 +401,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     }
     if (wg == 0 && tid == 0) {
       diag::stamp(diag::kMathDone);
-      const int n = live_units().count(sched.total_tiles());
+      const int n = sched.total_tiles() * live_splits();
       diag::record(diag::kUnits, blockIdx.x < static_cast<unsigned>(n)
                                      ? (n - blockIdx.x + gridDim.x - 1) / gridDim.x
                                      : 0);

@@ -62,14 +62,13 @@ int split_k_parts(int64_t tiles, int64_t slots, int64_t stages) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({slots / tiles, kMaxKSplits, stages})));
 }
 
-// Split to fill (kDecode16X2K2Fill): a launch with between half and all as many 128-row tiles as
-// CTA slots runs the last slots - tiles of them as two K parts, one unit per slot.
-// NOTES: why: MEGAMOE_DIAG_TIMELINE at T = 1 (H200, d3cce03): Kimi-K3 L2's 448 tiles on 132 SMs
-// x 4 slots leave 80 slots idle, so 52 SMs run four tiles and 80 three; the SMs with four
-// finished at 41 us, the median SM at 33.5 (DeepSeek-V3 L2, also 448 tiles: 31.5 against 25.2).
-// The math warps of an SM's CTAs share its issue slots, so an SM's time follows its tiles.
-// Half tiles on the idle slots even the SMs out. (Stream-K, every CTA an equal range of K
-// stages, measured slower at every T = 1 launch: every CTA paid its cut tiles' hand-offs.)
+// NOTES (rejected, v9): a launch with between half and all as many tiles as slots (Kimi-K3 and
+// DeepSeek-V3 L2 at T = 1: 448 tiles, 80 slots idle) leaves its last CTAs to end 1.25x after the
+// median SM (MEGAMOE_DIAG_TIMELINE, H200, d3cce03). Neither evening the work out per CTA
+// (stream-K: every CTA an equal range of K stages, tiles cut at range boundaries; 1.3-1.4x
+// slower, every CTA paying its cut tiles' hand-offs) nor per SM (the last slots - tiles tiles in
+// two K parts, one unit per slot: Kimi-K3 L2 42.9 against 42.9 us, DeepSeek-V3 L2 30.6 against
+// 29.9; 64e566b) moved the last CTAs' end: the tail is not the tile count per SM.
 
 // Fraction of the CTA slots busy over the waves of a persistent launch of `tiles` tiles.
 double wave_fill(int64_t tiles, int64_t slots) {
@@ -221,16 +220,8 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
                        x2_tiles <= p.split_counters_capacity &&
                        x2_tiles * parts * Decode16X2K2SplitConfig::kSplitUnitFloats <=
                            p.split_partial_floats;
-    // Between half and all of the slots: the last slots - tiles tiles in two K parts, one unit
-    // per slot (Decode16X2K2Fill).
-    const int64_t fill_split = slots - x2_tiles;
-    const bool fill = auto_splits && !split && p.split_partials != nullptr && x2_tiles < slots &&
-                      2 * x2_tiles > slots && fill_split <= p.split_counters_capacity &&
-                      fill_split * 2 * Decode16X2K2SplitConfig::kSplitUnitFloats <= p.split_partial_floats &&
-                      k_staged_stages<Decode16X2K2SplitConfig>(p.k) >= 2;
     const GemmTile decode_overlap =
         split                                               ? GemmTile::kDecode16X2K2Split
-        : fill                                              ? GemmTile::kDecode16X2K2Fill
         : x2_tiles * kDecodeFillDen < slots * kDecodeFillNum ? GemmTile::kDecode16Overlap
         : three_per_sm                                      ? GemmTile::kDecode16X2K2x3
                                                             : GemmTile::kDecode16X2K2;
@@ -292,17 +283,6 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
       launch_k_staged<PrefillK2Config, PrefillStagedConfig, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kDecode16X2K2Split:
-      launch_k_staged<Decode16X2K2SplitConfig, Decode16X2OverlapSplitConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X2K2Fill:
-      MEGAMOE_CHECK_ARG(p.k_splits <= 1, "sm90 gemm: k_splits: tile kDecode16X2K2Fill (",
-                        static_cast<int>(GemmTile::kDecode16X2K2Fill),
-                        ") picks its split tiles from the grid: expected k_splits 0 or 1, got ",
-                        p.k_splits);
-      MEGAMOE_CHECK_ARG(p.split_partials != nullptr && p.split_counters != nullptr,
-                        "sm90 gemm: tile kDecode16X2K2Fill (", static_cast<int>(GemmTile::kDecode16X2K2Fill),
-                        ") needs a split_k workspace, got an empty one");
-      p.split_fill = 1;
       launch_k_staged<Decode16X2K2SplitConfig, Decode16X2OverlapSplitConfig, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kDecode8X2K2:

@@ -76,13 +76,13 @@ enum class GemmTile : int {
   kPrefillWideAsync = 28,    // kPrefillWideStaged with the asynchronous epilogue
   kDecode16X2K2Split = 29,   // kDecode16X2K2 taking k_splits (split-K; the only tile that does)
   kDecode8X2K2 = 30,         // 128 x 8, overlapped, two k-blocks per stage, 4 stages (candidate)
-  kDecode16X2K2Fill = 31,    // kDecode16X2K2Split's kernel splitting only as many tiles in two K
-                             // parts as fill the idle CTA slots (needs the split-K workspace)
+  // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:
+  // no faster at T = 1 (H200, 64e566b); a stream-K version of it, slower, never shipped.
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
-  // (17, 18, 20, 25, 27, 30, 29, 31: when K is not a multiple of 128 they run as their
-  // one-k-block twins, 13, 15, 16, 9, the 5-stage async 256 x 128 tile, the 8-stage 128 x 8
-  // overlapped tile, and 13 with split-K for 29 and 31)
+  // (17, 18, 20, 25, 27, 30, 29: when K is not a multiple of 128 they run as their one-k-block
+  // twins, 13, 15, 16, 9, the 5-stage async 256 x 128 tile, the 8-stage 128 x 8 overlapped tile,
+  // and 13 with split-K)
 };
 
 // Split-K workspace (optional). kAuto cuts the K loop of a decode launch into parts run as

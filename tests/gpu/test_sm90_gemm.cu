@@ -421,7 +421,6 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kDecode16X2K2,
     sm90::GemmTile::kDecode16X2K2x3,
     sm90::GemmTile::kDecode16X2K2Split,   // unsplit here (k_splits 0 on a forced tile)
-    sm90::GemmTile::kDecode16X2K2Fill,    // few tiles here: every tile in two K parts
     sm90::GemmTile::kDecode16X2Overlap,   // kDecode16X2K2's twin when K % 128 != 0
     sm90::GemmTile::kDecode16X2Overlap3,  // kDecode16X2K2x3's twin
     sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillWideAsync,
@@ -517,32 +516,6 @@ TEST(ReliabilitySanitize, DecodeTilesSplitK) {
       if (parts <= 3) run_l2_case(q, q.rows, false, tile, parts);
     }
   }
-}
-
-// Split to fill (tile kDecode16X2K2Fill, kAuto's when a decode launch has between half and all
-// as many tiles as CTA slots): 40 experts of one row give 320 tiles of 128 rows in L1 and L2, so
-// on an H200 (528 slots) the last 208 run as two K parts and 112 whole; K2 stages (8 and 4) and
-// one-k-block ones (K = 320: 5), bias; the counters must be back to zero after every launch.
-// Small enough for compute-sanitizer.
-TEST(ReliabilitySanitize, DecodeTilesSplitFill) {
-  SKIP_WITHOUT_SM90();
-  const Problem p = make_problem(1024, 512, std::vector<int>(40, 1), true, 20);
-  const Problem q = make_problem(320, 512, std::vector<int>(60, 1), false, 21);
-  const sm90::GemmTile tile = sm90::GemmTile::kDecode16X2K2Fill;
-  run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile);
-  run_l2_case(p, p.rows, true, tile);
-  run_l1_case(q, q.rows, Activation::situ(4.0f, 25.0f), false, false, tile);
-  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, tile, 2));  // the split tiles come from the grid
-}
-
-// kAuto at T = 1 of the Kimi-K3 shape (16 experts, one row each): L1's 768 tiles of 128 rows run
-// whole (3 CTAs per SM), L2's 448 split to fill the 528 slots of an H200 (80 tiles in two K
-// parts); both against the reference.
-TEST(Sm90Gemm, KAutoSplitFillAtOneToken) {
-  SKIP_WITHOUT_SM90();
-  const Problem p = make_problem(3584, 3072, std::vector<int>(16, 1), false, 19);
-  run_l1_case(p, 16, Activation::situ(4.0f, 25.0f), true, false);
-  run_l2_case(p, 16, false);
 }
 
 // kAuto's split-K choice at T = 1 of the DeepSeek-V3 shape (8 experts, one row each): L1's 256
@@ -777,7 +750,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X4K2);
         variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
         if (T <= 8) variants.push_back(sm90::GemmTile::kDecode8X2K2);  // 8 rows hold T <= 8
-        if (T <= 8) variants.push_back(sm90::GemmTile::kDecode16X2K2Fill);
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
