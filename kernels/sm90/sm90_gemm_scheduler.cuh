@@ -51,6 +51,29 @@ struct TileScheduler {
   }
 };
 
+// Copies row_offsets[0..E] into shared memory with coalesced loads: thread i loads entries i,
+// i + kThreads, ...; all of a thread's loads are issued before its first store, so the CTA waits
+// for one global load latency, not one per kThreads experts. No barrier: the caller syncs.
+// NOTES: ld.global.cg (L2), not the read-only path: with programmatic dependent launch this
+// runs before the grid's dependency wait (GemmParams::prefetch_before_wait).
+template <int kThreads>
+__device__ __forceinline__ void load_row_offsets(const int32_t* __restrict__ row_offsets,
+                                                 int num_experts, int32_t* s_offsets) {
+  constexpr int kPerThread = (kMaxLocalExperts + 1 + kThreads - 1) / kThreads;
+  const int tid = threadIdx.x;
+  int32_t loaded[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = tid + i * kThreads;
+    loaded[i] = e <= num_experts ? __ldcg(row_offsets + e) : 0;
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = tid + i * kThreads;
+    if (e <= num_experts) s_offsets[e] = loaded[i];
+  }
+}
+
 // build_schedule of the configs with setmaxnreg (prefill): the same schedule, kThreads experts per
 // round with two __syncthreads each. Called by all kThreads threads of the CTA (contains
 // __syncthreads).
@@ -63,24 +86,10 @@ __device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, i
                                       int32_t* s_prefix) {
   __shared__ int32_t s_warp_sums[kThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  // All of a thread's loads are issued before the first store, so the CTA waits for one global
-  // load latency, not one per kThreads experts.
-  // NOTES: the loop of dependent load + store rounds took ~5 % of the samples of Kimi-K3 L1 at
-  // T = 1 (7 rounds for 896 experts; Nsight Compute, H200, dce201d).
-  // NOTES: ld.global.cg (L2), not the read-only path: with programmatic dependent launch this
-  // runs before the grid's dependency wait (GemmParams::prefetch_before_wait).
-  constexpr int kPerThread = (kMaxLocalExperts + 1 + kThreads - 1) / kThreads;
-  int32_t loaded[kPerThread];
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int e = tid + i * kThreads;
-    loaded[i] = e <= num_experts ? __ldcg(row_offsets + e) : 0;
-  }
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int e = tid + i * kThreads;
-    if (e <= num_experts) s_offsets[e] = loaded[i];
-  }
+  // NOTES: a loop of dependent load + store rounds took ~5 % of the samples of Kimi-K3 L1 at
+  // T = 1 (7 rounds for 896 experts; Nsight Compute, H200, dce201d): load_row_offsets issues all
+  // loads first.
+  load_row_offsets<kThreads>(row_offsets, num_experts, s_offsets);
   __syncthreads();
   for (int e = tid; e < num_experts; e += kThreads) {
     const int lo = s_offsets[e], hi = s_offsets[e + 1];
@@ -124,27 +133,13 @@ __device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, i
 // DeepSeek-V3: MEGAMOE_DIAG_TIMELINE build, H200, d3cce03). A first one-round version that
 // loaded each thread's C entries straight from global memory (C words apart across a warp, 7x
 // the L2 requests of coalesced loads) was slower: 2.5-5.2 us (64e566b).
-// NOTES: ld.global.cg (L2), not the read-only path: with programmatic dependent launch this
-// runs before the grid's dependency wait (GemmParams::prefetch_before_wait).
 template <int kThreads, int kBlockN>
 __device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_experts,
                                int max_rows, int m_tiles, int32_t* s_offsets, int32_t* s_prefix) {
   __shared__ int32_t s_warp_sums[kThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   constexpr int kMaxPer = (kMaxLocalExperts + 1 + kThreads - 1) / kThreads;
-  {
-    int32_t loaded[kMaxPer];
-#pragma unroll
-    for (int i = 0; i < kMaxPer; ++i) {
-      const int e = tid + i * kThreads;
-      loaded[i] = e <= num_experts ? __ldcg(row_offsets + e) : 0;
-    }
-#pragma unroll
-    for (int i = 0; i < kMaxPer; ++i) {
-      const int e = tid + i * kThreads;
-      if (e <= num_experts) s_offsets[e] = loaded[i];
-    }
-  }
+  load_row_offsets<kThreads>(row_offsets, num_experts, s_offsets);
   __syncthreads();
   const int per = (num_experts + 1 + kThreads - 1) / kThreads;  // C <= kMaxPer
   const int first = tid * per;
