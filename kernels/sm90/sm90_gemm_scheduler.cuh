@@ -51,6 +51,16 @@ struct TileScheduler {
   }
 };
 
+// Inclusive sum of v over the lanes 0..lane of the warp (all 32 lanes call it).
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int u = __shfl_up_sync(0xFFFFFFFFu, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
 // Copies row_offsets[0..E] into shared memory with coalesced loads: thread i loads entries i,
 // i + kThreads, ...; all of a thread's loads are issued before its first store, so the CTA waits
 // for one global load latency, not one per kThreads experts. No barrier: the caller syncs.
@@ -101,12 +111,7 @@ __device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, i
     const int e = base + tid;
     const int tiles =
         e < num_experts ? m_tiles * ((s_offsets[e + 1] - s_offsets[e] + kBlockN - 1) / kBlockN) : 0;
-    int incl = tiles;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-      if (lane >= d) incl += v;
-    }
+    const int incl = warp_inclusive_sum(tiles, lane);
     if (lane == 31) s_warp_sums[warp] = incl;
     __syncthreads();
     int warp_offset = 0, total = 0;
@@ -159,12 +164,7 @@ __device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_
     }
   }
   // Exclusive prefix of the per-thread counts over the CTA.
-  int incl = count;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-    if (lane >= d) incl += v;
-  }
+  const int incl = warp_inclusive_sum(count, lane);
   if (lane == 31) s_warp_sums[warp] = incl;
   __syncthreads();
   int base = incl - count;
