@@ -475,27 +475,38 @@ TEST(Sm90Layer, KimiK3Ep8) {
 // ---------------------------------------------------------------------------------------------
 // Graph replay, determinism, errors
 // ---------------------------------------------------------------------------------------------
+// One call's inputs on the device: the case's tokens, routing and empty slots, from `seed`.
+struct DeviceInput {
+  DeviceArray<uint16_t> x;
+  DeviceArray<int32_t> idx;
+  DeviceArray<float> w;
+};
+
+DeviceInput upload_input(const LayerCase& c, const LayerConfig& config, uint64_t seed) {
+  const LayerShape& s = config.shape;
+  const auto routing = test::make_routing(c.routing, c.tokens, s.num_experts, s.top_k, seed,
+                                          c.empty_fraction, config.first_local_expert());
+  return DeviceInput{DeviceArray<uint16_t>(test::make_inputs(c.tokens, s.hidden, seed)),
+                     DeviceArray<int32_t>(routing.idx), DeviceArray<float>(routing.weights)};
+}
+
 void check_graph_and_determinism(const LayerCase& c, uint64_t seed) {
   SCOPED_TRACE(c.describe());
   LayerConfig config;
   auto layer = make_layer(c, &config);
   const LayerShape& s = config.shape;
   const int64_t t = c.tokens;
-  const auto x = test::make_inputs(t, s.hidden, seed);
-  const auto routing = test::make_routing(c.routing, t, s.num_experts, s.top_k, seed,
-                                          c.empty_fraction, config.first_local_expert());
-  DeviceArray<uint16_t> dx(x), dy(t * s.hidden);
-  DeviceArray<int32_t> didx(routing.idx);
-  DeviceArray<float> dw(routing.weights);
+  const DeviceInput in = upload_input(c, config, seed);
+  DeviceArray<uint16_t> dy(t * s.hidden);
   const Stream stream;
 
   dy.fill_bytes(0xFF);
-  layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), stream);
+  layer->forward(in.x.get(), in.idx.get(), in.w.get(), t, dy.get(), stream);
   layer->check_errors(stream);
   const LayerRun eager = download_run(*layer, t, dy);
 
   dy.fill_bytes(0xFF);
-  layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), stream);
+  layer->forward(in.x.get(), in.idx.get(), in.w.get(), t, dy.get(), stream);
   layer->check_errors(stream);
   const LayerRun again = download_run(*layer, t, dy);
   EXPECT_EQ(again.y, eager.y) << "run-to-run: y differs";
@@ -503,7 +514,7 @@ void check_graph_and_determinism(const LayerCase& c, uint64_t seed) {
   EXPECT_EQ(again.slot_to_row, eager.slot_to_row) << "run-to-run: slot_to_row differs";
 
   const StreamGraph graph(stream, [&] {
-    layer->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), stream);
+    layer->forward(in.x.get(), in.idx.get(), in.w.get(), t, dy.get(), stream);
   });
   for (int replay = 0; replay < 3; ++replay) {
     dy.fill_bytes(0xFF);
@@ -560,18 +571,7 @@ void check_programmatic_launch(const LayerCase& c, uint64_t seed) {
   auto layer = make_layer(c, &config);
   const LayerShape& s = config.shape;
   const int64_t t = c.tokens;
-  struct Input {
-    DeviceArray<uint16_t> x;
-    DeviceArray<int32_t> idx;
-    DeviceArray<float> w;
-  };
-  auto make_input = [&](uint64_t sd) {
-    const auto routing = test::make_routing(c.routing, t, s.num_experts, s.top_k, sd,
-                                            c.empty_fraction, config.first_local_expert());
-    return Input{DeviceArray<uint16_t>(test::make_inputs(t, s.hidden, sd)),
-                 DeviceArray<int32_t>(routing.idx), DeviceArray<float>(routing.weights)};
-  };
-  const Input in[2] = {make_input(seed), make_input(seed + 1)};
+  const DeviceInput in[2] = {upload_input(c, config, seed), upload_input(c, config, seed + 1)};
   constexpr int kOrder[3] = {0, 1, 0};
   DeviceArray<uint16_t> dy[3] = {DeviceArray<uint16_t>(t * s.hidden),
                                  DeviceArray<uint16_t>(t * s.hidden),
@@ -579,7 +579,7 @@ void check_programmatic_launch(const LayerCase& c, uint64_t seed) {
   const Stream stream;
   auto run_calls = [&](bool sync_each) {
     for (int i = 0; i < 3; ++i) {
-      const Input& x = in[kOrder[i]];
+      const DeviceInput& x = in[kOrder[i]];
       layer->forward(x.x.get(), x.idx.get(), x.w.get(), t, dy[i].get(), stream);
       if (sync_each) MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     }
