@@ -56,6 +56,15 @@ struct GemmParams {
   // of the stream (configs without setmaxnreg; the others wait first). 0: wait first (also
   // correct in a plainly launched grid, where the wait is a no-op).
   int prefetch_before_wait = 0;
+  // Work units taken at run time (configs without setmaxnreg or an asynchronous epilogue; others
+  // ignore it): CTA b runs unit b first, then each CTA's producer takes the next unit from
+  // unit_counter[0] (gridDim.x + atomicAdd) when it has issued its current unit's copies, and
+  // hands it to the math warpgroup through the stage it fills first. unit_counter[1] counts the
+  // CTAs that are done; the last one sets both back to zero. Zero-initialized once, left zero by
+  // every launch; taken only after the grid's dependency wait, so launches of one stream may
+  // share it (the previous one has completed). nullptr: the static split (CTA b: units b,
+  // b + gridDim.x, ...).
+  int32_t* unit_counter = nullptr;       // [2]
 };
 
 // One tile configuration. The CTA has kNumMathWG consumer warpgroups (each kMBlocksPerWG

@@ -164,15 +164,22 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   // runs at 40 registers, where the prefetch code spilled (PrefillK2 L1: 4 bytes), and their
   // launches last milliseconds, so a few microseconds of overlap do not matter there.
   const bool prefetch = !Cfg::kUseSetMaxNReg && p.prefetch_before_wait != 0;
-  // No launch_dependents: the next kernel starts when this grid's CTAs have exited.
-  // NOTES: CTA b takes tiles b, b + grid, ..., so the CTAs below num_tiles % grid have one tile
-  // more, and with 3-4 CTAs per SM the launch is balanced only because plainly launched CTAs are
-  // spread round-robin over the SMs. A GEMM launched programmatically and started while its
-  // predecessor still holds SMs gets its CTAs placed on the free SMs first, consecutive blockIdx
-  // together: with gather releasing L1 early, DeepSeek-V3 L1 at T = 8 (3.5 tiles per CTA)
-  // measured 1.11x slower (310 -> 343 us; H200, 2081190 and dce201d). L2 started early by L1
-  // would be placed the same way, so neither gather nor the GEMMs release their successor early.
-  // (A tile counter taken at run time, instead of the static split, would lift this.)
+  // Work units taken at run time (GemmParams::unit_counter) in the configs where one producer
+  // thread feeds math warpgroups that finish their own tiles.
+  constexpr bool kCanTakeUnits = !Cfg::kUseSetMaxNReg && !Cfg::kAsyncEpilogue;
+  const bool dynamic = kCanTakeUnits && p.unit_counter != nullptr;
+  // The unit each stage starts (dynamic units only; written before the stage's full-barrier
+  // arrival, -1: no more units).
+  __shared__ int32_t s_stage_unit[Cfg::kNumStages];
+  // Release of the next kernel: the configs that take units release it after their wait (below);
+  // the others only when their CTAs exit.
+  // NOTES: with the static split (CTA b: tiles b, b + grid, ...) the CTAs below num_tiles % grid
+  // have one tile more, and with 3-4 CTAs per SM the launch is balanced only because plainly
+  // launched CTAs are spread round-robin over the SMs. A GEMM started while its predecessor still
+  // holds SMs gets its CTAs placed on the free SMs first, consecutive blockIdx together: with
+  // gather releasing L1 early, DeepSeek-V3 L1 at T = 8 (3.5 tiles per CTA) measured 1.11x slower
+  // (310 -> 343 us; H200, 2081190 and dce201d). Units taken at run time go to whichever CTAs run
+  // first, wherever they were placed.
   if (!prefetch) ptx::grid_dependency_wait();
   if constexpr (Cfg::kUseSetMaxNReg) {
     build_schedule_rounds<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows,
@@ -281,9 +288,14 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       }
       ptx::grid_dependency_wait();
     }
+    // Every read of the previous kernel's outputs (and of the unit counter) comes after this
+    // thread's wait above (prefetch) or at the top; the math warpgroups wait before their first
+    // store.
+    if constexpr (kCanTakeUnits) ptx::launch_dependents();
     int stage = 0;
     uint32_t phase = 0;
-    for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
+    int u = blockIdx.x;
+    while (u < num_units) {
       const TileInfo tile = sched.get(u / splits);
       const int kb_begin = k_begin(u % splits, splits), kb_end = k_begin(u % splits + 1, splits);
       for (int kb = kb_begin; kb < kb_end; kb += kKSub) {
@@ -291,6 +303,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
           --ahead;  // weights already issued (same unit, k-block and stage)
         } else {
           ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
+          if (dynamic && kb == kb_begin) s_stage_unit[stage] = u;  // released by the arrival
           copy_weights(tile, kb, stage);
         }
 #pragma unroll
@@ -299,6 +312,23 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
                            (kb + j) * Cfg::kBlockK, tile.row0, &full_bars[stage]);
         }
         if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+      }
+      // The next unit: taken when this one's copies are all issued (the stages in flight cover
+      // the atomic's round trip).
+      u = dynamic ? static_cast<int>(gridDim.x) + atomicAdd(p.unit_counter, 1)
+                  : u + static_cast<int>(gridDim.x);
+    }
+    if (dynamic) {
+      // No more units: tell the math warpgroup through the next stage, then count this CTA out;
+      // the last CTA sets the counters back to zero (every CTA's last take came before its
+      // count, fenced).
+      ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
+      s_stage_unit[stage] = -1;
+      ptx::mbar_arrive(&full_bars[stage]);
+      __threadfence();
+      if (atomicAdd(p.unit_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        atomicExch(p.unit_counter, 0);
+        atomicExch(p.unit_counter + 1, 0);
       }
     }
     diag::stamp(diag::kProducerDone);
@@ -315,7 +345,16 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     // of 4 CTAs per SM, where the live values spilled (24 bytes, L1; measured when the split
     // path was still compiled into Decode16X2K2).
     auto live_splits = [&] { return split_k_units<Cfg>(p, sched.total_tiles()); };
-    for (int u = blockIdx.x; u < sched.total_tiles() * live_splits(); u += gridDim.x) {
+    int units_done = 0;  // (diagnostics only)
+    // The unit after u: the producer names it in the stage it fills first (-1: none), or the
+    // static split's.
+    auto next_unit = [&](int u) {
+      if (!dynamic) return u + static_cast<int>(gridDim.x);
+      ptx::mbar_wait(&full_bars[stage], phase);
+      return static_cast<int>(s_stage_unit[stage]);
+    };
+    for (int u = blockIdx.x; u >= 0 && u < sched.total_tiles() * live_splits(); u = next_unit(u)) {
+      ++units_done;
       const int n_splits = live_splits();
       const TileInfo tile = sched.get(u / n_splits);
       const int unit_k_blocks = k_begin(u % n_splits + 1, n_splits) - k_begin(u % n_splits, n_splits);
@@ -401,10 +440,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     }
     if (wg == 0 && tid == 0) {
       diag::stamp(diag::kMathDone);
-      const int n = sched.total_tiles() * live_splits();
-      diag::record(diag::kUnits, blockIdx.x < static_cast<unsigned>(n)
-                                     ? (n - blockIdx.x + gridDim.x - 1) / gridDim.x
-                                     : 0);
+      diag::record(diag::kUnits, units_done);
     }
   }
 }

@@ -327,6 +327,7 @@ void set_split_k(GemmParams& p, const SplitKWorkspace& ws, int k_splits, const c
   MEGAMOE_CHECK_ARG(ws.partial_floats >= 0 && ws.counters_capacity >= 0, who,
                     ": split_k: expected non-negative capacities");
   p.k_splits = k_splits;
+  p.unit_counter = ws.unit_counter;
   if (ws.empty()) return;
   p.split_partials = ws.partials;
   p.split_partial_floats = ws.partial_floats;

@@ -93,11 +93,18 @@ enum class GemmTile : int {
 // the launches of one stream in turn, not two launches running at the same time. Sizes:
 // split_k_counters() / split_k_partial_floats() cover every split kAuto picks; a launch that
 // would need more runs unsplit.
+//
+// unit_counter (optional, 2 int32, zero-initialized once, left zero by every launch): the decode
+// tiles then take their work units at run time (the first one per CTA fixed, every further one
+// from this counter), so a launch stays balanced wherever its CTAs were placed; with it, they
+// also let the next kernel of the stream start early (programmatic launches). Launches of one
+// stream may share it (a launch takes units only after the previous kernel has completed).
 struct SplitKWorkspace {
   float* partials = nullptr;
   int64_t partial_floats = 0;
   int32_t* counters = nullptr;
   int counters_capacity = 0;
+  int32_t* unit_counter = nullptr;
   bool empty() const { return partials == nullptr || counters == nullptr; }
 };
 constexpr int kMaxKSplits = 4;

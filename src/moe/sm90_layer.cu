@@ -67,6 +67,7 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   v.split_k.partials = carver.take<float>(v.split_k.partial_floats);
   v.split_k.counters_capacity = split_k_counters();
   v.split_k.counters = carver.take<int32_t>(v.split_k.counters_capacity);
+  v.split_k.unit_counter = carver.take<int32_t>(2);  // decode launches take units at run time
   *bytes = carver.bytes();
   return v;
 }

@@ -118,20 +118,26 @@ std::vector<T> to_host(const Buffer& b, size_t n) {
   return v;
 }
 
-// A split-K workspace with its buffers (counters zeroed, as the layer does).
+// A split-K workspace with its buffers (counters zeroed, as the layer does), and the unit
+// counter (2 int32 after the split counters).
 struct SplitWorkspace {
   Buffer partials, counters;
   sm90::SplitKWorkspace ws;
   SplitWorkspace(int counters_capacity, int64_t partial_floats)
       : partials(partial_floats * 4, Device::cuda()),
-        counters(int64_t(counters_capacity) * 4, Device::cuda()) {
+        counters((int64_t(counters_capacity) + 2) * 4, Device::cuda()) {
     MEGAMOE_CUDA_CHECK(cudaMemset(counters.data(), 0, counters.size()));
     ws.partials = partials.as<float>();
     ws.partial_floats = partial_floats;
     ws.counters = counters.as<int32_t>();
     ws.counters_capacity = counters_capacity;
+    ws.unit_counter = counters.as<int32_t>() + counters_capacity;
   }
 };
+
+// The decode tiles take their units at run time when the workspace has a unit counter (as the
+// layer's does); Sm90Gemm.EveryTileConfigStaticUnits runs them without it (the static split).
+bool g_static_units = false;
 
 // One split-K workspace for every launch of the tests (the layer's sizes); after each launch its
 // counters must be back to zero (check_split_counters_zero).
@@ -142,9 +148,12 @@ const sm90::SplitKWorkspace& split_workspace() {
 
 void check_split_counters_zero() {
   const auto& ws = split_workspace();
-  std::vector<int32_t> c(ws.counters_capacity);
+  std::vector<int32_t> c(ws.counters_capacity + 2);  // the split counters, then the unit counter
   MEGAMOE_CUDA_CHECK(cudaMemcpy(c.data(), ws.counters, c.size() * 4, cudaMemcpyDeviceToHost));
-  for (size_t i = 0; i < c.size(); ++i) ASSERT_EQ(c[i], 0) << "split-K counter " << i << " left set";
+  for (size_t i = 0; i < c.size(); ++i) {
+    ASSERT_EQ(c[i], 0) << (i < size_t(ws.counters_capacity) ? "split-K counter " : "unit counter ")
+                       << i << " left set";
+  }
 }
 
 // Prepared (sm90) copies of all experts of one matrix.
@@ -231,6 +240,7 @@ void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias,
   a.w2_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.out = d_out.as<uint16_t>();
   a.tile = tile;
   a.split_k = split_workspace();
+  if (g_static_units) a.split_k.unit_counter = nullptr;
   a.k_splits = k_splits;
   sm90::launch_l2(a, nullptr);
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -307,6 +317,7 @@ void run_l1_case(const Problem& p, int64_t rows_bound, const Activation& act, bo
   a.h_act = d_hact.as<uint16_t>();
   a.tile = tile;
   a.split_k = split_workspace();
+  if (g_static_units) a.split_k.unit_counter = nullptr;
   a.k_splits = k_splits;
   sm90::launch_l1(a, nullptr);
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -469,6 +480,16 @@ void wide_scale_case(sm90::GemmTile tile) {
 
 TEST(Sm90Gemm, EveryTileConfig) {
   SKIP_WITHOUT_SM90();
+  for (const sm90::GemmTile tile : kDefaultTiles) every_tile_case(tile);
+}
+
+// The same cases with the static split of the units (a workspace without a unit counter).
+TEST(Sm90Gemm, EveryTileConfigStaticUnits) {
+  SKIP_WITHOUT_SM90();
+  struct Static {
+    Static() { g_static_units = true; }
+    ~Static() { g_static_units = false; }
+  } static_units;
   for (const sm90::GemmTile tile : kDefaultTiles) every_tile_case(tile);
 }
 
@@ -761,22 +782,34 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillWideAsync);
       }
       // Split-K (T <= 8): the 128-row split tile forced with 1..kMaxKSplits K parts.
-      std::vector<std::pair<sm90::GemmTile, int>> runs;
-      for (const sm90::GemmTile tile : variants) runs.emplace_back(tile, 0);
+      // Modes (kAuto only; every other row is mode 0):
+      //   0 units taken at run time (the workspace's unit counter, as in the layer), plain launches;
+      //   1 the static split of the units (no unit counter), plain launches;
+      //   2 units taken at run time, programmatic launches (each launch may start while the
+      //     previous one ends, as the layer's launches do);
+      //   3 the static split, programmatic launches.
+      struct Run { sm90::GemmTile tile; int parts; int mode; };
+      std::vector<Run> runs;
+      for (int mode = 0; mode < 4; ++mode) runs.push_back({sm90::GemmTile::kAuto, 0, mode});
+      for (const sm90::GemmTile tile : variants) {
+        if (tile != sm90::GemmTile::kAuto) runs.push_back({tile, 0, 0});
+      }
       if (T <= 8) {
         for (int parts = 1; parts <= sm90::kMaxKSplits; ++parts)
-          runs.emplace_back(sm90::GemmTile::kDecode16X2K2Split, parts);
+          runs.push_back({sm90::GemmTile::kDecode16X2K2Split, parts, 0});
       }
       // (The forced splits get a workspace for every tile of these launches; the layer's covers
       // only what kAuto splits.)
-      a1.split_k = bench_split.ws;
-      a2.split_k = bench_split.ws;
-      for (const auto& [tile, parts] : runs)
+      for (const auto& [tile, parts, mode] : runs)
       for (int which = 0; which < 2; ++which) {
         a1.tile = tile;
         a2.tile = tile;
         a1.k_splits = parts;
         a2.k_splits = parts;
+        a1.split_k = bench_split.ws;
+        a2.split_k = bench_split.ws;
+        if (mode == 1 || mode == 3) a1.split_k.unit_counter = a2.split_k.unit_counter = nullptr;
+        a1.programmatic = a2.programmatic = mode >= 2;
         auto launch = [&](int it, cudaStream_t st) {
           if (which == 0) { a1.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l1(a1, st); }
           else { a2.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l2(a2, st); }
@@ -817,9 +850,11 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         const double k_red = which == 0 ? double(s.H) : double(s.I);
         const double wbytes = active_avg * n_rows * k_red * (0.5 + 1.0 / 32);
         const double flops = 2.0 * rows * n_rows * k_red;
-        const std::string split_label = parts > 0 ? " split=" + std::to_string(parts) : "";
+        static const char* const kModeLabel[] = {"", " static", " pdl", " static pdl"};
+        const std::string split_label =
+            (parts > 0 ? " split=" + std::to_string(parts) : "") + kModeLabel[mode];
 #if MEGAMOE_DIAG_TIMELINE
-        if (T <= 64 && tile == sm90::GemmTile::kAuto) {
+        if (T <= 64 && tile == sm90::GemmTile::kAuto && (mode == 0 || mode == 1)) {
           (void)sm90::diag_read_timeline();  // clears the warm-up's stamps
           float one = 0;
           cudaEvent_t t0, t1; cudaEventCreate(&t0); cudaEventCreate(&t1);
@@ -827,7 +862,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
           MEGAMOE_CUDA_CHECK(cudaEventSynchronize(t1));
           cudaEventElapsedTime(&one, t0, t1);
           cudaEventDestroy(t0); cudaEventDestroy(t1);
-          print_timeline(std::string(s.name) + " T=" + std::to_string(T) + (which == 0 ? " L1" : " L2") + " tile=" + std::to_string(int(tile)), one * 1e3);
+          print_timeline(std::string(s.name) + " T=" + std::to_string(T) + (which == 0 ? " L1" : " L2") + " tile=" + std::to_string(int(tile)) + (mode == 1 ? " static" : ""), one * 1e3);
         }
 #endif
         printf("[bench] %-11s T=%5d %s tile=%d%s rows=%6lld experts=%6.1f  median %9.1f us (min %9.1f)  %7.1f TFLOP/s  weights %6.0f GB/s  eager %9.1f us\n",
