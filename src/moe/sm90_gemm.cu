@@ -220,10 +220,15 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
                        x2_tiles <= p.split_counters_capacity &&
                        x2_tiles * parts * Decode16X2K2SplitConfig::kSplitUnitFloats <=
                            p.split_partial_floats;
+    // Units taken at run time (a unit counter in the workspace): the 128 x 8 tile where the
+    // experts average at most kDecode8MaxAvgRows rows, 4 CTAs per SM otherwise (the 3-per-SM
+    // tile only evened out the static split's waves).
+    const bool dynamic = p.unit_counter != nullptr;
     const GemmTile decode_overlap =
         split                                               ? GemmTile::kDecode16X2K2Split
         : x2_tiles * kDecodeFillDen < slots * kDecodeFillNum ? GemmTile::kDecode16Overlap
-        : three_per_sm                                      ? GemmTile::kDecode16X2K2x3
+        : dynamic && avg <= kDecode8MaxAvgRows              ? GemmTile::kDecode8X2K2
+        : three_per_sm && !dynamic                          ? GemmTile::kDecode16X2K2x3
                                                             : GemmTile::kDecode16X2K2;
     if (avg <= kDecode8MaxAvgRows) {
       // NOTES: no overlapped 8-row decode tile: its first version wrote h_q/h_act that disagreed
