@@ -281,23 +281,9 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       if (u < num_units) {
         const TileInfo tile = sched.get(u / splits);
         const int kb_end = k_begin(u % splits + 1, splits);
-        int kb = k_begin(u % splits, splits);
-        for (; kb < kb_end && ahead < Cfg::kNumStages; kb += kKSub) copy_weights(tile, kb, ahead++);
-        // The next k-blocks of the unit (up to kL2PrefetchBytes of weights per CTA: all CTAs'
-        // together stay well inside L2) into L2: a CTA that starts while the previous kernel
-        // still ends, when its last CTAs leave the memory system idle, reads them from there.
-        constexpr int kL2PrefetchBytes = 64 << 10;
-        const int kb_pf = min(kb_end, kb + kL2PrefetchBytes / (tile.num_m_blocks * sm90_layout::kBlockBytes));
-        if (kb < kb_pf) {
-          const int64_t block_base =
-              (static_cast<int64_t>(tile.expert) * total_m_blocks + tile.m_block0) * num_k_blocks;
-          for (int m = 0; m < tile.num_m_blocks; ++m) {
-            const int64_t block = block_base + static_cast<int64_t>(m) * num_k_blocks + kb;
-            ptx::bulk_prefetch_l2(p.w + block * sm90_layout::kBlockBytes,
-                                  (kb_pf - kb) * sm90_layout::kBlockBytes);
-            ptx::bulk_prefetch_l2(p.sf + block * sm90_layout::kSfBlockBytes,
-                                  (kb_pf - kb) * sm90_layout::kSfBlockBytes);
-          }
+        for (int kb = k_begin(u % splits, splits); kb < kb_end && ahead < Cfg::kNumStages;
+             kb += kKSub) {
+          copy_weights(tile, kb, ahead++);
         }
       }
       ptx::grid_dependency_wait();
