@@ -252,18 +252,13 @@ using Decode16X2K2Config = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2>;
 //            are 1.45 waves of 528 slots but 1.94 of 396).
 using Decode16X2K2x3Config = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2>;
 using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
-//   Decode8X2K2 / its twin: Decode16X2K2 with 8 token rows, which at T <= 8 hold every
-//            expert's rows (at most T); the B stage halves (2 KiB), so 4 stages fit 4 CTAs per SM
-//            at E_l = 896 where the 16-row tile has 3. kAuto's decode tile at <= 4 rows per
-//            expert when the launch takes its units at run time (tuning log v10).
+//   Decode8X2K2 / its twin (candidates): Decode16X2K2 with 8 token rows, which at T <= 8 hold
+//            every expert's rows (at most T); the B stage halves (2 KiB), so 4 stages fit 4 CTAs
+//            per SM at E_l = 896 where the 16-row tile has 3.
 //            NOTES: why: the copy pipeline alone streams only 0.55-0.75 of the copy ceiling at
 //            T = 1 (tuning log v8): one wave of tiles, each CTA with 2 stages in flight.
 using Decode8X2K2Config = GemmConfig<1, 2, 8, 8, 4, 4, true, false, 2>;
 using Decode8X2OverlapConfig = GemmConfig<1, 2, 8, 8, 8, 4, true>;
-//   Decode8X1K2 (candidate, K % 128 == 0 only): the 64-row tile with 8 token rows, two k-blocks
-//            per stage and 6 stages: twice the units of the 128-row tiles, for launches whose
-//            units taken at run time are too few to even out the CTAs (T = 1, tuning log v10).
-using Decode8X1K2Config = GemmConfig<1, 1, 8, 8, 6, 4, true, false, 2>;
 //   Decode16X2K2Split / its twin: Decode16X2K2 (Decode16X2Overlap) taking k_splits: kAuto's tile
 //            for decode launches whose tiles leave at least half the CTA slots idle.
 using Decode16X2K2SplitConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true>;

@@ -293,13 +293,6 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
     case GemmTile::kDecode8X2K2:
       launch_k_staged<Decode8X2K2Config, Decode8X2OverlapConfig, kKind>(p, b_rows, stream);
       return;
-    case GemmTile::kDecode8X1K2:
-      // NOTES: no one-k-block twin: the overlapped 64 x 8 one-k-block tile (5) was removed after
-      // it failed on the H200 (dbab4e4), so this candidate takes only K % 128 == 0.
-      MEGAMOE_CHECK(p.k % (2 * sm90_layout::kBlockK) == 0, ErrorCode::kUnsupported,
-                    "sm90 gemm: tile kDecode8X1K2: K must be a multiple of 128, got ", p.k);
-      launch_config<Decode8X1K2Config, kKind>(p, b_rows, stream);
-      return;
     case GemmTile::kPrefillAsyncK2:
       launch_k_staged<PrefillAsyncK2Config, PrefillAsyncK2TwinConfig, kKind>(p, b_rows, stream);
       return;

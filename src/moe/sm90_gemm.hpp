@@ -75,12 +75,9 @@ enum class GemmTile : int {
   kPrefillAsyncK2 = 27,      // kPrefillK2 with the asynchronous epilogue (2 stages)
   kPrefillWideAsync = 28,    // kPrefillWideStaged with the asynchronous epilogue
   kDecode16X2K2Split = 29,   // kDecode16X2K2 taking k_splits (split-K; the only tile that does)
-  kDecode8X2K2 = 30,         // 128 x 8, overlapped, two k-blocks per stage, 4 stages (kAuto's
-                             // decode tile at <= 4 rows per expert with a unit counter)
+  kDecode8X2K2 = 30,         // 128 x 8, overlapped, two k-blocks per stage, 4 stages (kAuto decode at <= 4 rows per expert with a unit counter)
   // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:
   // no faster at T = 1 (H200, 64e566b); a stream-K version of it, slower, never shipped.
-  kDecode8X1K2 = 32,         // 64 x 8, overlapped, two k-blocks per stage, 6 stages (candidate;
-                             // K must be a multiple of 128)
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
   // (17, 18, 20, 25, 27, 30, 29: when K is not a multiple of 128 they run as their one-k-block

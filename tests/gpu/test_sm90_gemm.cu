@@ -443,8 +443,7 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
-                                          sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kDecode8X1K2};  // K % 128 == 0 only
+                                          sm90::GemmTile::kPrefillAsyncK2};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -454,16 +453,6 @@ void every_tile_case(sm90::GemmTile tile) {
   const Problem q = make_problem(320, 192, {5, 0, 200, 17, 300}, true, 9);
   run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile);
   run_l2_case(p, p.rows, true, tile);
-  if (tile == sm90::GemmTile::kDecode8X1K2) {
-    // K % 128 != 0 (H = 320, I = 192): this candidate has no one-k-block twin and says so.
-    try {
-      run_l2_case(q, 1, false, tile);
-      ADD_FAILURE() << "kDecode8X1K2 with K = 192: expected kUnsupported";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
-    }
-    return;
-  }
   run_l1_case(q, 1, Activation::situ(4.0f, 25.0f), false, false, tile);
   run_l2_case(q, 1, false, tile);
 }
@@ -782,7 +771,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X4K2);
         variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
         if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2);  // kAuto's at avg <= 4 rows
-        if (T <= 8) variants.push_back(sm90::GemmTile::kDecode8X1K2);   // candidate (v10)
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
