@@ -252,9 +252,13 @@ using Decode16X2K2Config = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2>;
 //            are 1.45 waves of 528 slots but 1.94 of 396).
 using Decode16X2K2x3Config = GemmConfig<1, 2, 16, 8, 5, 3, true, false, 2>;
 using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
-//   Decode8X2K2 / its twin (candidates): Decode16X2K2 with 8 token rows, which at T <= 8 hold
-//            every expert's rows (at most T); the B stage halves (2 KiB), so 4 stages fit 4 CTAs
-//            per SM at E_l = 896 where the 16-row tile has 3.
+//   Decode8X2K2 / its twin: Decode16X2K2 with 8 token rows, which at T <= 8 hold every
+//            expert's rows (at most T); the B stage halves (2 KiB), so 4 stages fit 4 CTAs per SM
+//            at E_l = 896 where the 16-row tile has 3. kAuto's decode tile at <= 4 rows per
+//            expert when the launch takes its units at run time (tuning log v10).
+//            NOTES: a 64-row version (Decode8X1K2, two k-blocks per stage, 6 stages: twice the
+//            units, so the CTAs even out better at T = 1) was 1.09-1.20x slower at T = 1 and 8
+//            (H200, dddf285, tuning log v10) and was removed.
 //            NOTES: why: the copy pipeline alone streams only 0.55-0.75 of the copy ceiling at
 //            T = 1 (tuning log v8): one wave of tiles, each CTA with 2 stages in flight.
 using Decode8X2K2Config = GemmConfig<1, 2, 8, 8, 4, 4, true, false, 2>;

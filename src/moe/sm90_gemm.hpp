@@ -75,7 +75,10 @@ enum class GemmTile : int {
   kPrefillAsyncK2 = 27,      // kPrefillK2 with the asynchronous epilogue (2 stages)
   kPrefillWideAsync = 28,    // kPrefillWideStaged with the asynchronous epilogue
   kDecode16X2K2Split = 29,   // kDecode16X2K2 taking k_splits (split-K; the only tile that does)
-  kDecode8X2K2 = 30,         // 128 x 8, overlapped, two k-blocks per stage, 4 stages (kAuto decode at <= 4 rows per expert with a unit counter)
+  kDecode8X2K2 = 30,         // 128 x 8, overlapped, two k-blocks per stage, 4 stages (kAuto's
+                             // decode tile at <= 4 rows per expert with a unit counter)
+  // 32 was a 64 x 8 tile with two k-blocks per stage (candidate), removed: 1.09-1.20x slower
+  // than 30 at T = 1 and 8 (H200, dddf285).
   // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:
   // no faster at T = 1 (H200, 64e566b); a stream-K version of it, slower, never shipped.
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
