@@ -257,7 +257,7 @@ using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
 //            at E_l = 896 where the 16-row tile has 3. kAuto's decode tile at <= 4 rows per
 //            expert when the launch takes its units at run time (tuning log v10).
 //            NOTES: a 64-row version (Decode8X1K2, two k-blocks per stage, 6 stages: twice the
-//            units, so the CTAs even out better at T = 1) was 1.09-1.20x slower at T = 1 and 8
+//            units, so the CTAs even out better at T = 1) was 1.08-1.20x slower at T = 1 and 8
 //            (H200, dddf285, tuning log v10) and was removed.
 //            NOTES: why: the copy pipeline alone streams only 0.55-0.75 of the copy ceiling at
 //            T = 1 (tuning log v8): one wave of tiles, each CTA with 2 stages in flight.

@@ -77,7 +77,7 @@ enum class GemmTile : int {
   kDecode16X2K2Split = 29,   // kDecode16X2K2 taking k_splits (split-K; the only tile that does)
   kDecode8X2K2 = 30,         // 128 x 8, overlapped, two k-blocks per stage, 4 stages (kAuto's
                              // decode tile at <= 4 rows per expert with a unit counter)
-  // 32 was a 64 x 8 tile with two k-blocks per stage (candidate), removed: 1.09-1.20x slower
+  // 32 was a 64 x 8 tile with two k-blocks per stage (candidate), removed: 1.08-1.20x slower
   // than 30 at T = 1 and 8 (H200, dddf285).
   // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:
   // no faster at T = 1 (H200, 64e566b); a stream-K version of it, slower, never shipped.
