@@ -231,8 +231,9 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
         : three_per_sm && !dynamic                          ? GemmTile::kDecode16X2K2x3
                                                             : GemmTile::kDecode16X2K2;
     if (avg <= kDecode8MaxAvgRows) {
-      // NOTES: no overlapped 8-row decode tile: its first version wrote h_q/h_act that disagreed
-      // on the H200 (device run at dbab4e4) and was removed; overlap uses the 16-row tiles here.
+      // NOTES: no overlapped 64 x 8 tile: its first version wrote h_q/h_act that disagreed on the
+      // H200 (device run at dbab4e4) and was removed. The overlapped 128 x 8 tile (Decode8X2K2)
+      // runs here with a unit counter (decode_overlap), the 16-row tiles without one.
       tile = overlap ? decode_overlap : GemmTile::kDecode8;
     } else if (avg <= (overlap ? kDecodeOverlapMaxAvgRows : kDecodeMaxAvgRows)) {
       tile = overlap ? decode_overlap : GemmTile::kDecode16;
