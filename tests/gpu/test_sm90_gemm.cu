@@ -138,6 +138,11 @@ struct SplitWorkspace {
 // The decode tiles take their units at run time when the workspace has a unit counter (as the
 // layer's does); Sm90Gemm.EveryTileConfigStaticUnits runs them without it (the static split).
 bool g_static_units = false;
+struct StaticUnits {  // g_static_units = on for a scope
+  explicit StaticUnits(bool on) : before(g_static_units) { g_static_units = on; }
+  ~StaticUnits() { g_static_units = before; }
+  bool before;
+};
 
 // One split-K workspace for every launch of the tests (the layer's sizes); after each launch its
 // counters must be back to zero (check_split_counters_zero).
@@ -221,8 +226,10 @@ double bf16_ulp(double v) {
   return std::ldexp(1.0, ex - 8);
 }
 
+// (out_copy: if given, receives the launch's output rows, for bitwise comparisons.)
 void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias,
-                 sm90::GemmTile tile = sm90::GemmTile::kAuto, int k_splits = 0) {
+                 sm90::GemmTile tile = sm90::GemmTile::kAuto, int k_splits = 0,
+                 std::vector<uint16_t>* out_copy = nullptr) {
   SCOPED_TRACE(describe(p, "L2") + " tile=" + std::to_string(int(tile)) +
                " k_splits=" + std::to_string(k_splits));
   std::vector<uint8_t> pw2, psf2;
@@ -246,6 +253,7 @@ void run_l2_case(const Problem& p, int64_t rows_bound, bool with_bias,
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
   check_split_counters_zero();
   const auto out = to_host<uint16_t>(d_out, max_rows * p.H);
+  if (out_copy != nullptr) *out_copy = out;
 
   double worst = 0;
   int64_t bad = 0;
@@ -291,8 +299,10 @@ bool neighbour_codes(uint8_t a, uint8_t b) {
   return std::abs(ma - mb) == 1;
 }
 
+// (hact_copy: if given, receives h_act, for bitwise comparisons.)
 void run_l1_case(const Problem& p, int64_t rows_bound, const Activation& act, bool fast_math,
-                 bool with_bias, sm90::GemmTile tile = sm90::GemmTile::kAuto, int k_splits = 0) {
+                 bool with_bias, sm90::GemmTile tile = sm90::GemmTile::kAuto, int k_splits = 0,
+                 std::vector<uint16_t>* hact_copy = nullptr) {
   SCOPED_TRACE(describe(p, "L1") + " tile=" + std::to_string(int(tile)) + " act=" + std::to_string(int(act.kind)) +
                " fast_math=" + std::to_string(fast_math) + " k_splits=" + std::to_string(k_splits));
   std::vector<uint8_t> pw, psf;
@@ -325,6 +335,7 @@ void run_l1_case(const Problem& p, int64_t rows_bound, const Activation& act, bo
   const auto hq = to_host<uint8_t>(d_hq, max_rows * I);
   const auto hsf = to_host<uint8_t>(d_hsf, max_rows * I / 32);
   const auto hact = to_host<uint16_t>(d_hact, max_rows * I);
+  if (hact_copy != nullptr) *hact_copy = hact;
 
   int64_t flips = 0, far_flips = 0, sf_diff = 0, sf_far = 0, act_bad = 0, codes = 0;
   std::vector<double> acc, mag;
@@ -486,11 +497,31 @@ TEST(Sm90Gemm, EveryTileConfig) {
 // The same cases with the static split of the units (a workspace without a unit counter).
 TEST(Sm90Gemm, EveryTileConfigStaticUnits) {
   SKIP_WITHOUT_SM90();
-  struct Static {
-    Static() { g_static_units = true; }
-    ~Static() { g_static_units = false; }
-  } static_units;
+  const StaticUnits static_units(true);
   for (const sm90::GemmTile tile : kDefaultTiles) every_tile_case(tile);
+}
+
+// Units taken at run time go to whichever CTA is ahead, and each unit's result does not depend
+// on the CTA that runs it: the same launch with and without the unit counter must agree bit for
+// bit (the decode tiles kAuto picks, forced: kAuto's own pick depends on the counter, and the
+// split tile with 2 K parts).
+TEST(Sm90Gemm, RunTimeUnitsAgreeBitwiseWithStaticSplit) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 513, 3, 130, 250}, true, 8);
+  const std::pair<sm90::GemmTile, int> runs[] = {{sm90::GemmTile::kDecode8X2K2, 0},
+                                                 {sm90::GemmTile::kDecode16X2K2, 0},
+                                                 {sm90::GemmTile::kDecode16X2K2Split, 2}};
+  for (const auto& [tile, splits] : runs) {
+    SCOPED_TRACE("tile=" + std::to_string(int(tile)) + " k_splits=" + std::to_string(splits));
+    std::vector<uint16_t> l1[2], l2[2];
+    for (int fixed = 0; fixed < 2; ++fixed) {
+      const StaticUnits scope(fixed == 1);
+      run_l1_case(p, p.rows, Activation::swiglu(), true, true, tile, splits, &l1[fixed]);
+      run_l2_case(p, p.rows, true, tile, splits, &l2[fixed]);
+    }
+    EXPECT_TRUE(l1[0] == l1[1]) << "L1 h_act differs between run-time units and the static split";
+    EXPECT_TRUE(l2[0] == l2[1]) << "L2 out differs between run-time units and the static split";
+  }
 }
 
 TEST(Sm90Gemm, ScalesAboveAndBelow128) {
