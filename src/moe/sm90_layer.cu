@@ -193,9 +193,11 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   auto done = [&](Stage stage) { return static_cast<int>(stage) >= static_cast<int>(last); };
 
   // The six launches form a programmatic-dependent-launch chain (set_programmatic_launch): each
-  // kernel waits for its predecessor on the device before touching its data; quantize, route and
-  // combine let their successor start early, and the GEMMs build their schedules and start
-  // streaming weights before their wait (L1Args::programmatic; docs/design.md).
+  // kernel waits for its predecessor on the device before touching its data; every kernel but
+  // the prefill GEMM configs lets its successor start early (after its own wait), and the decode
+  // GEMMs build their schedules and start streaming weights before their wait and take their
+  // work units at run time (L1Args::programmatic, SplitKWorkspace::unit_counter;
+  // docs/design.md).
   const bool pdl = programmatic_;
   launch_quantize_input(x, num_tokens, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
   if (done(Stage::kQuantize)) return;
