@@ -36,16 +36,6 @@ enum TimelineEvent : int {
 static __device__ uint64_t g_timeline[kTimelineCtas][kNumEvents];
 #endif
 
-__device__ __forceinline__ void stamp(TimelineEvent event) {
-#if MEGAMOE_DIAG_TIMELINE
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  if (blockIdx.x < kTimelineCtas) g_timeline[blockIdx.x][event] = t;
-#else
-  (void)event;
-#endif
-}
-
 // %globaltimer in a measurement build, 0 otherwise.
 __device__ __forceinline__ uint64_t now() {
 #if MEGAMOE_DIAG_TIMELINE
@@ -54,6 +44,16 @@ __device__ __forceinline__ uint64_t now() {
   return t;
 #else
   return 0;
+#endif
+}
+
+// Sets the CTA's slot to value (call from one thread).
+__device__ __forceinline__ void record(TimelineEvent slot, uint64_t value) {
+#if MEGAMOE_DIAG_TIMELINE
+  if (blockIdx.x < kTimelineCtas) g_timeline[blockIdx.x][slot] = value;
+#else
+  (void)slot;
+  (void)value;
 #endif
 }
 
@@ -67,20 +67,13 @@ __device__ __forceinline__ void add(TimelineEvent slot, uint64_t value) {
 #endif
 }
 
+__device__ __forceinline__ void stamp(TimelineEvent event) { record(event, now()); }
+
 __device__ __forceinline__ void record_smid() {
 #if MEGAMOE_DIAG_TIMELINE
   uint32_t id;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  if (blockIdx.x < kTimelineCtas) g_timeline[blockIdx.x][kSmid] = id;
-#endif
-}
-
-__device__ __forceinline__ void record(TimelineEvent slot, uint64_t value) {
-#if MEGAMOE_DIAG_TIMELINE
-  if (blockIdx.x < kTimelineCtas) g_timeline[blockIdx.x][slot] = value;
-#else
-  (void)slot;
-  (void)value;
+  record(kSmid, id);
 #endif
 }
 
