@@ -28,6 +28,12 @@
 #include "sm90/sm90_gemm_mainloop.cuh"
 #include "sm90/sm90_gemm_scheduler.cuh"
 
+// MEGAMOE_DIAG_SPLIT_FREE (measurement builds only, never set by the build files): 1 skips the
+// split-K hand-off (split_k_reduce), so the GEMM benchmark's split rows time the K parts alone.
+#ifndef MEGAMOE_DIAG_SPLIT_FREE
+#define MEGAMOE_DIAG_SPLIT_FREE 0
+#endif
+
 namespace megamoe::sm90 {
 
 // Calls f(std::integral_constant<int, N>) with N = the smallest multiple of kStep >= n.
@@ -65,6 +71,12 @@ template <class Cfg>
 __device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
                                                float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
                                                int t, int sp, int splits, int wg, int tid) {
+#if MEGAMOE_DIAG_SPLIT_FREE
+  // Measurement builds only: no hand-off at all (the last part runs the epilogue on its own
+  // part; results are wrong): times what the K parts would cost with a free hand-off.
+  (void)p; (void)acc; (void)t; (void)wg; (void)tid;
+  return sp == splits - 1;
+#endif
   __shared__ int s_last[Cfg::kNumMathWG];
   constexpr int kPer = Cfg::kBlockN / 2;
   float* tile_parts = p.split_partials + static_cast<int64_t>(t) * splits * Cfg::kSplitUnitFloats;
