@@ -193,7 +193,7 @@ GemmTile forced_tile() {
 }
 
 template <GemmKind kKind>
-void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_rows,
+void launch(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* b_rows,
             cudaStream_t stream) {
   const bool auto_splits = p.k_splits == 0;
   if (auto_splits) p.k_splits = 1;
@@ -201,7 +201,7 @@ void launch(GemmParams p, int64_t rows_bound, GemmTile tile, const uint16_t* b_r
   if (tile == GemmTile::kAuto) tile = overlap_by_default() ? GemmTile::kAutoOverlap : GemmTile::kAutoSerial;
   if (tile == GemmTile::kAutoSerial || tile == GemmTile::kAutoOverlap) {
     const bool overlap = tile == GemmTile::kAutoOverlap;
-    const int64_t rows = rows_bound > 0 ? std::min<int64_t>(rows_bound, p.max_rows) : p.max_rows;
+    const int64_t rows = rows_hint > 0 ? std::min<int64_t>(rows_hint, p.max_rows) : p.max_rows;
     const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
     const int64_t avg = rows / active;
     // Decode with the overlapped configs: the 128-row weight tile (two accumulator chains, two
@@ -386,7 +386,7 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
   p.h_act = a.h_act;
   set_split_k(p, a.split_k, a.k_splits, "launch_l1");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
-  launch<GemmKind::kL1>(p, a.rows_bound, a.tile, a.act, stream);
+  launch<GemmKind::kL1>(p, a.rows_hint, a.tile, a.act, stream);
 }
 
 void launch_l2(const L2Args& a, cudaStream_t stream) {
@@ -414,7 +414,7 @@ void launch_l2(const L2Args& a, cudaStream_t stream) {
   p.out = a.out;
   set_split_k(p, a.split_k, a.k_splits, "launch_l2");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
-  launch<GemmKind::kL2>(p, a.rows_bound, a.tile, a.h_act, stream);
+  launch<GemmKind::kL2>(p, a.rows_hint, a.tile, a.h_act, stream);
 }
 
 #if MEGAMOE_DIAG_TIMELINE

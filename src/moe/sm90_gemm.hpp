@@ -38,7 +38,7 @@ namespace megamoe::sm90 {
 constexpr int64_t kRowSlack = 256;  // extra rows allocated after max_rows in every row buffer
 
 // Tile configuration of one launch (kernels/sm90/sm90_gemm_config.hpp). kAuto picks one from
-// rows_bound and the expert count; the others force one (tests and the micro-benchmark compare
+// rows_hint and the expert count; the others force one (tests and the micro-benchmark compare
 // them). Every choice computes the same function (FP32 sums of exact products; only the
 // summation order may differ between configurations).
 // The *Overlap / *Staged configurations use the overlapped mainloop (next block's conversion
@@ -121,8 +121,11 @@ struct L1Args {
   int64_t hidden = 0;                   // H (reduction)
   int64_t intermediate = 0;             // I (output: 2I accumulators, I activations)
   int64_t max_rows = 0;                 // capacity in rows (host-known upper bound of routed rows)
-  int64_t rows_bound = 0;               // routed rows of THIS call are at most this (T*K); only
-                                        // picks the tile config (0 = max_rows); never a limit
+  int64_t rows_hint = 0;                // kAuto's estimate of this call's routed rows (0 =
+                                        // max_rows); picks the tile config only, never a limit:
+                                        // any number of rows up to max_rows runs correctly.
+                                        // Sm90Layer passes T*K on one GPU and the rank's
+                                        // expected share T*K*E_l/E under expert parallelism
   const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
   const uint16_t* act = nullptr;        // device bf16 [max_rows + kRowSlack, H]
   const float* row_weights = nullptr;   // device fp32 [max_rows]
@@ -134,7 +137,7 @@ struct L1Args {
   uint8_t* h_q = nullptr;               // device e4m3 [max_rows, I], 8-byte aligned
   uint8_t* h_sf = nullptr;              // device ue8m0 [max_rows, I/32]
   uint16_t* h_act = nullptr;            // device bf16 [max_rows + kRowSlack, I], 16-byte aligned
-  GemmTile tile = GemmTile::kAuto;      // tile configuration (kAuto: chosen from rows_bound)
+  GemmTile tile = GemmTile::kAuto;      // tile configuration (kAuto: chosen from rows_hint)
   SplitKWorkspace split_k;              // optional (empty: never split)
   int k_splits = 0;                     // 0: kAuto's choice; 1: unsplit; n in [2, kMaxKSplits]:
                                         // n parts (tile kDecode16X2K2Split; needs split_k)
@@ -153,7 +156,7 @@ struct L2Args {
   int64_t hidden = 0;                   // H (output)
   int64_t intermediate = 0;             // I (reduction)
   int64_t max_rows = 0;
-  int64_t rows_bound = 0;               // as in L1Args
+  int64_t rows_hint = 0;               // as in L1Args
   const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
   const uint16_t* h_act = nullptr;      // device bf16 [max_rows + kRowSlack, I]
   const float* row_weights = nullptr;   // device fp32 [max_rows] (scales the L2 bias only)

@@ -72,6 +72,22 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   return v;
 }
 
+// kAuto's estimate of the rows routed to this rank (L1Args::rows_hint): all T*K slots on one
+// GPU; under expert parallelism the rank's expected share T*K*E_l/E (balanced routing), rounded
+// up. NOTES: T*K there, the bound, made kAuto take the prefill tiles for decode-sized work
+// (Kimi-K3 EP8, T = 128: 1.47x slower; docs/perf.md tuning log v11). A rank that gets more than
+// its share (skewed routing) still runs correctly on the tile picked for fewer rows.
+// MEGAMOE_SM90_ROWS_HINT=bound (read once per process) passes T*K instead, for measuring that.
+int64_t rows_hint(const LayerConfig& c, int64_t slots) {
+  static const bool bound = [] {
+    const char* v = std::getenv("MEGAMOE_SM90_ROWS_HINT");
+    return v != nullptr && std::strcmp(v, "bound") == 0;
+  }();
+  if (bound || c.ep_size <= 1) return slots;
+  const int64_t e = c.shape.num_experts, e_l = c.num_local_experts();
+  return std::max<int64_t>(1, (slots * e_l + e - 1) / e);
+}
+
 }  // namespace
 
 const char* stage_name(Stage stage) {
@@ -226,7 +242,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l1.hidden = s.hidden;
   l1.intermediate = s.intermediate;
   l1.max_rows = max_rows_;
-  l1.rows_bound = slots;
+  l1.rows_hint = rows_hint(config_, slots);
   l1.row_offsets = view_.row_offsets;
   l1.act = view_.act;
   l1.row_weights = view_.row_weights;
@@ -248,7 +264,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l2.hidden = s.hidden;
   l2.intermediate = s.intermediate;
   l2.max_rows = max_rows_;
-  l2.rows_bound = slots;
+  l2.rows_hint = l1.rows_hint;
   l2.row_offsets = view_.row_offsets;
   l2.h_act = view_.h_act;
   l2.row_weights = view_.row_weights;
