@@ -135,6 +135,21 @@ __device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
   return true;
 }
 
+// The launch gate (GemmParams::gate_min_avg / gate_max_avg) on the schedule's row offsets in
+// shared memory: the launch's rows per hit expert lie in (min, max]; no rows count as 0 per
+// expert. Called by all kThreads threads (contains __syncthreads); the same answer in every CTA.
+template <int kThreads>
+__device__ __forceinline__ bool gate_passes(const GemmParams& p, const int32_t* s_offsets) {
+  int hits = 0;
+  for (int base = 0; base < p.num_experts; base += kThreads) {
+    const int e = base + static_cast<int>(threadIdx.x);
+    hits += __syncthreads_count(e < p.num_experts && s_offsets[e + 1] > s_offsets[e]);
+  }
+  const int64_t rows = s_offsets[p.num_experts] - s_offsets[0];
+  return (p.gate_min_avg == 0 || rows > static_cast<int64_t>(p.gate_min_avg) * hits) &&
+         (p.gate_max_avg == 0 || rows <= static_cast<int64_t>(p.gate_max_avg) * hits);
+}
+
 template <class Cfg, GemmKind kKind>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
@@ -201,6 +216,10 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
                                                 s_offsets, s_prefix);
   }
   __syncthreads();
+  if ((p.gate_min_avg | p.gate_max_avg) != 0 && !gate_passes<Cfg::kThreads>(p, s_offsets)) {
+    if (prefetch) ptx::grid_dependency_wait();  // the stream's order (GemmParams: launch gate)
+    return;
+  }
   if (threadIdx.x == 0) diag::stamp(diag::kScheduleBuilt);
   const TileScheduler<Cfg::kBlockN, Cfg::kMBlocksPerCta> sched{
       s_offsets, s_prefix, p.num_experts, total_m_blocks, m_tiles};

@@ -193,8 +193,8 @@ GemmTile forced_tile() {
 }
 
 template <GemmKind kKind>
-void launch(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* b_rows,
-            cudaStream_t stream) {
+void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* b_rows,
+                cudaStream_t stream) {
   const bool auto_splits = p.k_splits == 0;
   if (auto_splits) p.k_splits = 1;
   if (tile == GemmTile::kAuto) tile = forced_tile();
@@ -309,6 +309,46 @@ void launch(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* b_ro
                     static_cast<int>(tile));
 }
 
+// kAuto's classes of rows per expert: 0 the 128 x 8 decode tile's (<= kDecode8MaxAvgRows), 1 the
+// other decode tiles' (<= kDecodeOverlapMaxAvgRows), 2 the prefill tiles'.
+constexpr int kRowClasses = 3;
+constexpr int64_t kClassMaxAvg[kRowClasses - 1] = {kDecode8MaxAvgRows, kDecodeOverlapMaxAvgRows};
+int avg_class(int64_t avg) {
+  int c = 0;
+  while (c + 1 < kRowClasses && avg > kClassMaxAvg[c]) ++c;
+  return c;
+}
+
+// kAuto with the largest rows per expert this launch can meet (L1Args::rows_per_expert_max):
+// when that falls in a later class than kAuto's estimate (rows_hint over min(rows_hint, E_l)
+// experts, as in launch_one), one launch per class from the estimate's to that one, each gated on
+// the actual rows per hit expert (GemmParams::gate_min_avg / gate_max_avg; the first open below,
+// the last open above), so exactly one of them runs and the others exit after their wait. The
+// tile of the first class is kAuto's for rows_hint, of each later class kAuto's for E_l experts
+// at that class's largest average (the last: rows_per_expert_max).
+template <GemmKind kKind>
+void launch(const GemmParams& p, int64_t rows_hint, int64_t rows_per_expert_max, GemmTile tile,
+            const uint16_t* b_rows, cudaStream_t stream) {
+  const bool gated = tile == GemmTile::kAuto && forced_tile() == GemmTile::kAuto &&
+                     overlap_by_default() && rows_hint > 0 && rows_per_expert_max > 0;
+  const int64_t e = std::max(1, p.num_experts);
+  const int lo = gated ? avg_class(rows_hint / std::min(rows_hint, e)) : 0;
+  const int hi = gated ? avg_class(rows_per_expert_max) : 0;
+  if (hi <= lo) {
+    launch_one<kKind>(p, rows_hint, tile, b_rows, stream);
+    return;
+  }
+  for (int c = lo; c <= hi; ++c) {
+    GemmParams pc = p;
+    pc.gate_min_avg = c == lo ? 0 : static_cast<int>(kClassMaxAvg[c - 1]);
+    pc.gate_max_avg = c == hi ? 0 : static_cast<int>(kClassMaxAvg[c]);
+    const int64_t rows = c == lo ? rows_hint
+                         : c == hi ? rows_per_expert_max * e
+                                   : kClassMaxAvg[c] * e;
+    launch_one<kKind>(pc, std::min<int64_t>(rows, p.max_rows), tile, b_rows, stream);
+  }
+}
+
 void check_common(const char* who, int num_experts, int64_t hidden, int64_t intermediate,
                   int64_t max_rows, const void* row_offsets) {
   MEGAMOE_CHECK_ARG(num_experts >= 1, who, ": num_experts: expected >= 1, got ", num_experts);
@@ -386,7 +426,7 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
   p.h_act = a.h_act;
   set_split_k(p, a.split_k, a.k_splits, "launch_l1");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
-  launch<GemmKind::kL1>(p, a.rows_hint, a.tile, a.act, stream);
+  launch<GemmKind::kL1>(p, a.rows_hint, a.rows_per_expert_max, a.tile, a.act, stream);
 }
 
 void launch_l2(const L2Args& a, cudaStream_t stream) {
@@ -414,7 +454,7 @@ void launch_l2(const L2Args& a, cudaStream_t stream) {
   p.out = a.out;
   set_split_k(p, a.split_k, a.k_splits, "launch_l2");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
-  launch<GemmKind::kL2>(p, a.rows_hint, a.tile, a.h_act, stream);
+  launch<GemmKind::kL2>(p, a.rows_hint, a.rows_per_expert_max, a.tile, a.h_act, stream);
 }
 
 #if MEGAMOE_DIAG_TIMELINE

@@ -126,6 +126,11 @@ struct L1Args {
                                         // any number of rows up to max_rows runs correctly.
                                         // Sm90Layer passes T*K on one GPU and the rank's
                                         // expected share T*K*E_l/E under expert parallelism
+  int64_t rows_per_expert_max = 0;      // optional: the most rows one expert can get (T: one
+                                        // slot per token; 0: unknown). When kAuto would pick
+                                        // another kind of tile for that many than for rows_hint,
+                                        // it launches one per kind, each gated on the actual rows
+                                        // per hit expert (only one runs; GemmParams)
   const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
   const uint16_t* act = nullptr;        // device bf16 [max_rows + kRowSlack, H]
   const float* row_weights = nullptr;   // device fp32 [max_rows]
@@ -157,6 +162,7 @@ struct L2Args {
   int64_t intermediate = 0;             // I (reduction)
   int64_t max_rows = 0;
   int64_t rows_hint = 0;               // as in L1Args
+  int64_t rows_per_expert_max = 0;      // as in L1Args
   const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
   const uint16_t* h_act = nullptr;      // device bf16 [max_rows + kRowSlack, I]
   const float* row_weights = nullptr;   // device fp32 [max_rows] (scales the L2 bias only)

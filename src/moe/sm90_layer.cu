@@ -72,20 +72,30 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   return v;
 }
 
-// kAuto's estimate of the rows routed to this rank (L1Args::rows_hint): all T*K slots on one
-// GPU; under expert parallelism the rank's expected share T*K*E_l/E (balanced routing), rounded
-// up. NOTES: T*K there, the bound, made kAuto take the prefill tiles for decode-sized work
-// (Kimi-K3 EP8, T = 128: 1.47x slower; docs/perf.md tuning log v11). A rank that gets more than
-// its share (skewed routing) still runs correctly on the tile picked for fewer rows.
-// MEGAMOE_SM90_ROWS_HINT=bound (read once per process) passes T*K instead, for measuring that.
-int64_t rows_hint(const LayerConfig& c, int64_t slots) {
-  static const bool bound = [] {
+// kAuto's estimates of the rows routed to this rank (L1Args::rows_hint, rows_per_expert_max):
+// T*K slots on one GPU; under expert parallelism the rank's expected share T*K*E_l/E (balanced
+// routing, rounded up). Any expert can get up to T rows (one slot per token): where that calls
+// for another tile than the estimate, the GEMMs launch one per tile, each gated on the actual
+// rows (only one runs).
+// NOTES: T*K under expert parallelism made kAuto take prefill tiles for decode-sized work
+// (Kimi-K3 EP8, T = 128: 883 us against 628), and the share without the gate made adversarial
+// routing up to 3x slower (docs/perf.md tuning log v11). MEGAMOE_SM90_ROWS_HINT (read once per
+// process) = bound: T*K without the gate (the former choice); = expected: the share without the
+// gate; for measuring them.
+struct RowsHint {
+  int64_t hint, per_expert_max;
+};
+RowsHint rows_hint(const LayerConfig& c, int64_t num_tokens, int64_t slots) {
+  static const int mode = [] {  // 0 gated, 1 bound, 2 expected
     const char* v = std::getenv("MEGAMOE_SM90_ROWS_HINT");
-    return v != nullptr && std::strcmp(v, "bound") == 0;
+    if (v != nullptr && std::strcmp(v, "bound") == 0) return 1;
+    if (v != nullptr && std::strcmp(v, "expected") == 0) return 2;
+    return 0;
   }();
-  if (bound || c.ep_size <= 1) return slots;
+  if (mode == 1) return {slots, 0};
   const int64_t e = c.shape.num_experts, e_l = c.num_local_experts();
-  return std::max<int64_t>(1, (slots * e_l + e - 1) / e);
+  const int64_t share = c.ep_size <= 1 ? slots : std::max<int64_t>(1, (slots * e_l + e - 1) / e);
+  return {share, mode == 2 ? 0 : num_tokens};
 }
 
 }  // namespace
@@ -242,7 +252,9 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l1.hidden = s.hidden;
   l1.intermediate = s.intermediate;
   l1.max_rows = max_rows_;
-  l1.rows_hint = rows_hint(config_, slots);
+  const RowsHint rows = rows_hint(config_, num_tokens, slots);
+  l1.rows_hint = rows.hint;
+  l1.rows_per_expert_max = rows.per_expert_max;
   l1.row_offsets = view_.row_offsets;
   l1.act = view_.act;
   l1.row_weights = view_.row_weights;
@@ -264,7 +276,8 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l2.hidden = s.hidden;
   l2.intermediate = s.intermediate;
   l2.max_rows = max_rows_;
-  l2.rows_hint = l1.rows_hint;
+  l2.rows_hint = rows.hint;
+  l2.rows_per_expert_max = rows.per_expert_max;
   l2.row_offsets = view_.row_offsets;
   l2.h_act = view_.h_act;
   l2.row_weights = view_.row_weights;

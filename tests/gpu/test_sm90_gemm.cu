@@ -145,6 +145,15 @@ struct StaticUnits {  // g_static_units = on for a scope
   bool before;
 };
 
+// The most rows one expert can get, handed to kAuto (L1Args / L2Args::rows_per_expert_max: gated
+// launches when it calls for another tile than rows_hint); 0 (the default) for one launch.
+int64_t g_rows_per_expert_max = 0;
+struct RowsPerExpertMax {  // g_rows_per_expert_max = v for a scope
+  explicit RowsPerExpertMax(int64_t v) : before(g_rows_per_expert_max) { g_rows_per_expert_max = v; }
+  ~RowsPerExpertMax() { g_rows_per_expert_max = before; }
+  int64_t before;
+};
+
 // One split-K workspace for every launch of the tests (the layer's sizes); after each launch its
 // counters must be back to zero (check_split_counters_zero).
 const sm90::SplitKWorkspace& split_workspace() {
@@ -244,6 +253,7 @@ void run_l2_case(const Problem& p, int64_t rows_hint, bool with_bias,
   sm90::L2Args a;
   a.num_experts = p.E; a.hidden = p.H; a.intermediate = p.I; a.max_rows = max_rows;
   a.rows_hint = rows_hint; a.row_offsets = d_off.as<int32_t>(); a.h_act = d_h.as<uint16_t>();
+  a.rows_per_expert_max = g_rows_per_expert_max;
   a.row_weights = d_rw.as<float>(); a.w2 = d_w.as<uint8_t>(); a.w2_sf = d_sf.as<uint8_t>();
   a.w2_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.out = d_out.as<uint16_t>();
   a.tile = tile;
@@ -322,6 +332,7 @@ void run_l1_case(const Problem& p, int64_t rows_hint, const Activation& act, boo
   sm90::L1Args a;
   a.num_experts = p.E; a.hidden = p.H; a.intermediate = I; a.max_rows = max_rows;
   a.rows_hint = rows_hint; a.row_offsets = d_off.as<int32_t>(); a.act = d_x.as<uint16_t>();
+  a.rows_per_expert_max = g_rows_per_expert_max;
   a.row_weights = d_rw.as<float>(); a.w13 = d_w.as<uint8_t>(); a.w13_sf = d_sf.as<uint8_t>();
   a.w13_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.activation = act;
   a.fast_math = fast_math; a.h_q = d_hq.as<uint8_t>(); a.h_sf = d_hsf.as<uint8_t>();
@@ -425,6 +436,27 @@ TEST(Sm90Gemm, L1PartialTiles) {
   const Problem p = make_problem(320, 192, {5, 0, 200, 17}, true, 5);
   run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true);
   run_l1_case(p, 1, Activation::swiglu(), true, false);
+}
+
+// Gated launches (rows_per_expert_max above rows_hint's class): kAuto launches one tile per class
+// of rows per expert between the two (128 x 8 decode, 128 x 16 decode, prefill) and only the one
+// matching the actual rows per hit expert runs. An estimate of ~1 row per expert against rows that
+// are few, medium and many per expert: each must come out as the reference says (a launch that
+// ran none would leave the poisoned outputs, and the counters must be back at zero).
+TEST(Sm90Gemm, GatedLaunchesRunTheTileOfTheActualRows) {
+  SKIP_WITHOUT_SM90();
+  const RowsPerExpertMax gate(300);
+  const std::vector<std::vector<int>> counts = {
+      {1, 0, 2, 1, 0, 3, 0, 1},          // <= 4 per hit expert: the 128 x 8 tile
+      {0, 9, 0, 12, 7, 0, 0, 10},         // 4..12: the 128 x 16 tile
+      {0, 0, 200, 0, 0, 0, 0, 260},       // > 12: a prefill tile
+      {0, 0, 0, 0, 0, 0, 0, 0}};          // no rows
+  int seed = 20;
+  for (const auto& c : counts) {
+    const Problem p = make_problem(512, 256, c, true, seed++);
+    run_l1_case(p, 8, Activation::situ(4.0f, 25.0f), true, true);
+    run_l2_case(p, 8, true);
+  }
 }
 
 TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
