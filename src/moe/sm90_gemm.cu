@@ -319,36 +319,60 @@ int avg_class(int64_t avg) {
   return c;
 }
 
-// kAuto with the largest rows per expert this launch can meet (L1Args::rows_per_expert_max):
-// when that falls in the prefill class and kAuto's estimate (rows_hint over min(rows_hint, E_l)
+}  // namespace
+
+// kAuto with the largest rows per expert a launch can meet (L1Args::rows_per_expert_max): when
+// that falls in the prefill class and kAuto's estimate (rows_hint over min(rows_hint, E_l)
 // experts, as in launch_one) in a decode class, one launch per class from the estimate's to the
-// prefill one, each gated on the actual rows per hit expert (GemmParams::gate_min_avg / gate_max_avg; the first open below,
-// the last open above), so exactly one of them runs and the others exit after their wait. The
-// tile of the first class is kAuto's for rows_hint, of each later class kAuto's for E_l experts
-// at that class's largest average (the last: rows_per_expert_max).
-template <GemmKind kKind>
-void launch(const GemmParams& p, int64_t rows_hint, int64_t rows_per_expert_max, GemmTile tile,
-            const uint16_t* b_rows, cudaStream_t stream) {
-  const bool gated = tile == GemmTile::kAuto && forced_tile() == GemmTile::kAuto &&
-                     overlap_by_default() && rows_hint > 0 && rows_per_expert_max > 0;
-  const int64_t e = std::max(1, p.num_experts);
+// prefill one, each gated on the actual rows per hit expert (GemmParams::gate_min_avg /
+// gate_max_avg; the first open below, the last open above), so exactly one of them runs and the
+// others exit after their wait. The tile of the first class is kAuto's for rows_hint, of each
+// later class kAuto's for E_l experts at that class's largest average (the last:
+// rows_per_expert_max).
+// NOTES: only when the prefill class is possible: between the decode classes alone (T <= 12
+// on one GPU) the skipped launch cost more than the better decode tile gained (H200, ef5095a:
+// T = 8 1.5-3 % slower with uniform routing, Kimi-K3 adversarial 9 % slower).
+LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num_experts,
+                         int64_t max_rows) {
+  LaunchPlan plan;
+  const int64_t e = std::max(1, num_experts);
+  const bool gated = rows_hint > 0 && rows_per_expert_max > 0;
   const int lo = gated ? avg_class(rows_hint / std::min(rows_hint, e)) : 0;
   const int hi = gated ? avg_class(rows_per_expert_max) : 0;
-  // NOTES: only when the prefill class is possible: between the decode classes alone (T <= 12
-  // on one GPU) the skipped launch cost more than the better decode tile gained (H200, ef5095a:
-  // T = 8 1.5-3 % slower with uniform routing, Kimi-K3 adversarial 9 % slower).
   if (hi <= lo || hi < kRowClasses - 1) {
-    launch_one<kKind>(p, rows_hint, tile, b_rows, stream);
-    return;
+    plan.launch[plan.count++] = GatedLaunch{0, 0, rows_hint};
+    return plan;
   }
   for (int c = lo; c <= hi; ++c) {
-    GemmParams pc = p;
-    pc.gate_min_avg = c == lo ? 0 : static_cast<int>(kClassMaxAvg[c - 1]);
-    pc.gate_max_avg = c == hi ? 0 : static_cast<int>(kClassMaxAvg[c]);
+    GatedLaunch l;
+    l.gate_min_avg = c == lo ? 0 : static_cast<int>(kClassMaxAvg[c - 1]);
+    l.gate_max_avg = c == hi ? 0 : static_cast<int>(kClassMaxAvg[c]);
     const int64_t rows = c == lo ? rows_hint
                          : c == hi ? rows_per_expert_max * e
                                    : kClassMaxAvg[c] * e;
-    launch_one<kKind>(pc, std::min<int64_t>(rows, p.max_rows), tile, b_rows, stream);
+    l.rows = std::min<int64_t>(rows, max_rows);
+    plan.launch[plan.count++] = l;
+  }
+  return plan;
+}
+
+namespace {
+
+template <GemmKind kKind>
+void launch(const GemmParams& p, int64_t rows_hint, int64_t rows_per_expert_max, GemmTile tile,
+            const uint16_t* b_rows, cudaStream_t stream) {
+  const bool autotile = tile == GemmTile::kAuto && forced_tile() == GemmTile::kAuto &&
+                        overlap_by_default();
+  if (!autotile) {
+    launch_one<kKind>(p, rows_hint, tile, b_rows, stream);
+    return;
+  }
+  const LaunchPlan plan = plan_launches(rows_hint, rows_per_expert_max, p.num_experts, p.max_rows);
+  for (int i = 0; i < plan.count; ++i) {
+    GemmParams pi = p;
+    pi.gate_min_avg = plan.launch[i].gate_min_avg;
+    pi.gate_max_avg = plan.launch[i].gate_max_avg;
+    launch_one<kKind>(pi, plan.launch[i].rows, tile, b_rows, stream);
   }
 }
 

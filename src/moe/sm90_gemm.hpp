@@ -177,6 +177,21 @@ struct L2Args {
 };
 
 #if defined(MEGAMOE_WITH_CUDA)
+// The launches kAuto makes for one GEMM (docs/design.md, gated launches): launch i runs only if
+// the actual rows per hit expert lie in (gate_min_avg, gate_max_avg] (0: open on that side), on
+// kAuto's tile for `rows` estimated rows. One launch with both bounds 0: ungated. The intervals
+// of a plan cover every average exactly once (GPU test file, Sm90GemmPlan).
+struct GatedLaunch {
+  int gate_min_avg = 0, gate_max_avg = 0;
+  int64_t rows = 0;
+};
+struct LaunchPlan {
+  GatedLaunch launch[3];
+  int count = 0;
+};
+LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num_experts,
+                         int64_t max_rows);
+
 // Asynchronous on `stream`; no host synchronization and no allocation (CUDA-graph capturable).
 void launch_l1(const L1Args& args, cudaStream_t stream);
 void launch_l2(const L2Args& args, cudaStream_t stream);

@@ -459,6 +459,50 @@ TEST(Sm90Gemm, GatedLaunchesRunTheTileOfTheActualRows) {
   }
 }
 
+// The plan of gated launches (host only, runs without a GPU): the launches' intervals of rows per
+// hit expert cover every average exactly once (else a routing would run no launch, or two), the
+// plan is ungated where no prefill tile is possible, and the first launch keeps the estimate.
+TEST(Sm90GemmPlan, GatedIntervalsCoverEveryAverageOnce) {
+  struct Case { int64_t hint, per_expert_max; int experts; int64_t max_rows; };
+  const Case cases[] = {
+      {128, 8, 896, 131072},       // Kimi-K3 T = 8: no prefill tile possible, ungated
+      {128, 64, 112, 131072},      // EP8 rank, T = 64: 128 x 8 .. prefill
+      {1024, 64, 112, 131072},     // the former bound: 128 x 16 .. prefill
+      {8192, 512, 112, 131072},    // prefill estimate: ungated
+      {2, 1, 112, 131072},         // T = 1
+      {16, 300, 8, 463},           // the GPU test above
+      {0, 64, 112, 131072},        // no estimate: ungated
+      {128, 0, 112, 131072}};      // no bound: ungated
+  for (const Case& c : cases) {
+    SCOPED_TRACE("hint " + std::to_string(c.hint) + " max " + std::to_string(c.per_expert_max) +
+                 " E " + std::to_string(c.experts));
+    const sm90::LaunchPlan plan = sm90::plan_launches(c.hint, c.per_expert_max, c.experts, c.max_rows);
+    ASSERT_GE(plan.count, 1);
+    ASSERT_LE(plan.count, 3);
+    EXPECT_EQ(plan.launch[0].rows, plan.count == 1 ? c.hint : std::min(c.hint, c.max_rows));
+    if (plan.count == 1) {
+      EXPECT_EQ(plan.launch[0].gate_min_avg, 0);
+      EXPECT_EQ(plan.launch[0].gate_max_avg, 0);
+      EXPECT_TRUE(c.hint == 0 || c.per_expert_max <= 12 || c.hint / std::min<int64_t>(c.hint, c.experts) > 12);
+      continue;
+    }
+    EXPECT_GT(c.per_expert_max, 12);  // gated only where a prefill tile is possible
+    for (int64_t rows = 0; rows <= 400; ++rows) {
+      for (int64_t hits : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{112}}) {
+        if (rows == 0 && hits != 1) continue;
+        const int64_t h = rows == 0 ? 0 : hits;
+        int running = 0;
+        for (int i = 0; i < plan.count; ++i) {
+          const auto& l = plan.launch[i];
+          running += (l.gate_min_avg == 0 || rows > int64_t{l.gate_min_avg} * h) &&
+                     (l.gate_max_avg == 0 || rows <= int64_t{l.gate_max_avg} * h);
+        }
+        ASSERT_EQ(running, 1) << "rows " << rows << " over " << h << " hit experts";
+      }
+    }
+  }
+}
+
 TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(3584, 3072, {1, 0, 2, 0, 129}, false, 6);
