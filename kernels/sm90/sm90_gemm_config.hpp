@@ -65,12 +65,12 @@ struct GemmParams {
   // share it (the previous one has completed). nullptr: the static split (CTA b: units b,
   // b + gridDim.x, ...).
   int32_t* unit_counter = nullptr;       // [2]
-  // Launch gate (L1Args / L2Args::rows_max): where the host cannot tell which tile suits the rows
-  // this launch will find (under expert parallelism a rank gets anywhere from none to all T*K
-  // slots), it launches one config per candidate and each runs only if the actual rows per hit
-  // expert, read from row_offsets, lie in (gate_min_avg, gate_max_avg] (0: no limit on that
-  // side). One that does not run waits for the previous kernel and exits, so the stream's order
-  // still holds. Both 0: no gate.
+  // Launch gate (L1Args::rows_per_expert_max): where the host cannot tell which tile suits the
+  // rows this launch will find (skewed routing; under expert parallelism a rank gets anywhere from
+  // none to all T*K slots), it launches one config per candidate and each runs only if the actual
+  // rows per hit expert, read from row_offsets, lie in (gate_min_avg, gate_max_avg] (0: no limit
+  // on that side). One that does not run waits for the previous kernel and exits, so the
+  // stream's order still holds. Both 0: no gate.
   int gate_min_avg = 0;
   int gate_max_avg = 0;
 };

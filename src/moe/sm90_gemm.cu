@@ -337,7 +337,8 @@ LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num
   LaunchPlan plan;
   const int64_t e = std::max(1, num_experts);
   const bool gated = rows_hint > 0 && rows_per_expert_max > 0;
-  const int lo = gated ? avg_class(rows_hint / std::min(rows_hint, e)) : 0;
+  const int64_t hint = std::min(rows_hint, std::max<int64_t>(max_rows, 1));  // as launch_one
+  const int lo = gated ? avg_class(hint / std::min(hint, e)) : 0;
   const int hi = gated ? avg_class(rows_per_expert_max) : 0;
   if (hi <= lo || hi < kRowClasses - 1) {
     plan.launch[plan.count++] = GatedLaunch{0, 0, rows_hint};
@@ -367,7 +368,8 @@ void launch(const GemmParams& p, int64_t rows_hint, int64_t rows_per_expert_max,
     launch_one<kKind>(p, rows_hint, tile, b_rows, stream);
     return;
   }
-  const LaunchPlan plan = plan_launches(rows_hint, rows_per_expert_max, p.num_experts, p.max_rows);
+  const LaunchPlan plan =
+      plan_launches(rows_hint, rows_per_expert_max, p.num_experts, p.max_rows);
   for (int i = 0; i < plan.count; ++i) {
     GemmParams pi = p;
     pi.gate_min_avg = plan.launch[i].gate_min_avg;

@@ -161,7 +161,7 @@ struct L2Args {
   int64_t hidden = 0;                   // H (output)
   int64_t intermediate = 0;             // I (reduction)
   int64_t max_rows = 0;
-  int64_t rows_hint = 0;               // as in L1Args
+  int64_t rows_hint = 0;                // as in L1Args
   int64_t rows_per_expert_max = 0;      // as in L1Args
   const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
   const uint16_t* h_act = nullptr;      // device bf16 [max_rows + kRowSlack, I]
