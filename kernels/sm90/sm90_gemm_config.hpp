@@ -75,6 +75,14 @@ struct GemmParams {
   int gate_max_avg = 0;
 };
 
+// The launch gate's test: `rows` routed rows over `hits` experts lie in (p.gate_min_avg,
+// p.gate_max_avg] rows per expert (0: no limit on that side; no rows pass as 0 per expert). The
+// kernel applies it (gate_passes); the launcher's plan (sm90::plan_launches) is tested against it.
+MEGAMOE_HD bool gate_admits(const GemmParams& p, int64_t rows, int hits) {
+  return (p.gate_min_avg == 0 || rows > static_cast<int64_t>(p.gate_min_avg) * hits) &&
+         (p.gate_max_avg == 0 || rows <= static_cast<int64_t>(p.gate_max_avg) * hits);
+}
+
 // One tile configuration. The CTA has kNumMathWG consumer warpgroups (each kMBlocksPerWG
 // 64-row weight blocks x up to kBlockN token rows) and one producer warpgroup whose first thread
 // issues the copies.

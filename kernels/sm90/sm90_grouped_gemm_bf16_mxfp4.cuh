@@ -135,9 +135,8 @@ __device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
   return true;
 }
 
-// The launch gate (GemmParams::gate_min_avg / gate_max_avg) on the schedule's row offsets in
-// shared memory: the launch's rows per hit expert lie in (min, max]; no rows count as 0 per
-// expert. Called by all kThreads threads (contains __syncthreads); the same answer in every CTA.
+// The launch gate (GemmParams::gate_min_avg / gate_max_avg, gate_admits) on the schedule's row
+// offsets in shared memory. Called by all kThreads threads (contains __syncthreads); the same answer in every CTA.
 template <int kThreads>
 __device__ __forceinline__ bool gate_passes(const GemmParams& p, const int32_t* s_offsets) {
   int hits = 0;
@@ -146,8 +145,7 @@ __device__ __forceinline__ bool gate_passes(const GemmParams& p, const int32_t* 
     hits += __syncthreads_count(e < p.num_experts && s_offsets[e + 1] > s_offsets[e]);
   }
   const int64_t rows = s_offsets[p.num_experts] - s_offsets[0];
-  return (p.gate_min_avg == 0 || rows > static_cast<int64_t>(p.gate_min_avg) * hits) &&
-         (p.gate_max_avg == 0 || rows <= static_cast<int64_t>(p.gate_max_avg) * hits);
+  return gate_admits(p, rows, hits);
 }
 
 template <class Cfg, GemmKind kKind>

@@ -192,6 +192,17 @@ GemmTile forced_tile() {
   return tile;
 }
 
+// kAuto's reading of a row estimate (0: the capacity): spread over as many experts as there are
+// rows, up to E_l (the most experts they can hit), and the rows per expert.
+struct RowEstimate {
+  int64_t active, avg;
+};
+RowEstimate estimate_rows(int64_t rows_hint, int64_t max_rows, int num_experts) {
+  const int64_t rows = rows_hint > 0 ? std::min<int64_t>(rows_hint, max_rows) : max_rows;
+  const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, num_experts));
+  return {active, rows / active};
+}
+
 template <GemmKind kKind>
 void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* b_rows,
                 cudaStream_t stream) {
@@ -201,9 +212,8 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
   if (tile == GemmTile::kAuto) tile = overlap_by_default() ? GemmTile::kAutoOverlap : GemmTile::kAutoSerial;
   if (tile == GemmTile::kAutoSerial || tile == GemmTile::kAutoOverlap) {
     const bool overlap = tile == GemmTile::kAutoOverlap;
-    const int64_t rows = rows_hint > 0 ? std::min<int64_t>(rows_hint, p.max_rows) : p.max_rows;
-    const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, p.num_experts));
-    const int64_t avg = rows / active;
+    const RowEstimate est = estimate_rows(rows_hint, p.max_rows, p.num_experts);
+    const int64_t active = est.active, avg = est.avg;
     // Decode with the overlapped configs: the 128-row weight tile (two accumulator chains, two
     // k-blocks per stage) when its tiles fill enough of the persistent grid, else the 64-row one.
     const int64_t sms = cuda::device_info().sm_count;
@@ -322,8 +332,8 @@ int avg_class(int64_t avg) {
 }  // namespace
 
 // kAuto with the largest rows per expert a launch can meet (L1Args::rows_per_expert_max): when
-// that falls in the prefill class and kAuto's estimate (rows_hint over min(rows_hint, E_l)
-// experts, as in launch_one) in a decode class, one launch per class from the estimate's to the
+// that falls in the prefill class and kAuto's estimate (estimate_rows, as in launch_one) in a
+// decode class, one launch per class from the estimate's to the
 // prefill one, each gated on the actual rows per hit expert (GemmParams::gate_min_avg /
 // gate_max_avg; the first open below, the last open above), so exactly one of them runs and the
 // others exit after their wait. The tile of the first class is kAuto's for rows_hint, of each
@@ -337,8 +347,7 @@ LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num
   LaunchPlan plan;
   const int64_t e = std::max(1, num_experts);
   const bool gated = rows_hint > 0 && rows_per_expert_max > 0;
-  const int64_t hint = std::min(rows_hint, std::max<int64_t>(max_rows, 1));  // as launch_one
-  const int lo = gated ? avg_class(hint / std::min(hint, e)) : 0;
+  const int lo = gated ? avg_class(estimate_rows(rows_hint, max_rows, num_experts).avg) : 0;
   const int hi = gated ? avg_class(rows_per_expert_max) : 0;
   if (hi <= lo || hi < kRowClasses - 1) {
     plan.launch[plan.count++] = GatedLaunch{0, 0, rows_hint};

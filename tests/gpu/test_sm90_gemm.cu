@@ -32,6 +32,7 @@
 #include "prep/sm90_layout.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/cuda_device.hpp"
+#include "sm90/sm90_gemm_config.hpp"
 #include "sm90_test_util.hpp"
 #if MEGAMOE_DIAG_TIMELINE
 #include "sm90/sm90_diag_timeline.cuh"
@@ -136,23 +137,22 @@ struct SplitWorkspace {
   }
 };
 
+// Sets a test-wide setting for a scope and restores it after.
+template <class T>
+struct ScopedSetting {
+  ScopedSetting(T& setting, T value) : setting_(setting), before_(setting) { setting_ = value; }
+  ~ScopedSetting() { setting_ = before_; }
+  T& setting_;
+  T before_;
+};
+
 // The decode tiles take their units at run time when the workspace has a unit counter (as the
 // layer's does); Sm90Gemm.EveryTileConfigStaticUnits runs them without it (the static split).
 bool g_static_units = false;
-struct StaticUnits {  // g_static_units = on for a scope
-  explicit StaticUnits(bool on) : before(g_static_units) { g_static_units = on; }
-  ~StaticUnits() { g_static_units = before; }
-  bool before;
-};
 
 // The most rows one expert can get, handed to kAuto (L1Args / L2Args::rows_per_expert_max: gated
 // launches when it calls for another tile than rows_hint); 0 (the default) for one launch.
 int64_t g_rows_per_expert_max = 0;
-struct RowsPerExpertMax {  // g_rows_per_expert_max = v for a scope
-  explicit RowsPerExpertMax(int64_t v) : before(g_rows_per_expert_max) { g_rows_per_expert_max = v; }
-  ~RowsPerExpertMax() { g_rows_per_expert_max = before; }
-  int64_t before;
-};
 
 // One split-K workspace for every launch of the tests (the layer's sizes); after each launch its
 // counters must be back to zero (check_split_counters_zero).
@@ -445,7 +445,7 @@ TEST(Sm90Gemm, L1PartialTiles) {
 // ran none would leave the poisoned outputs, and the counters must be back at zero).
 TEST(Sm90Gemm, GatedLaunchesRunTheTileOfTheActualRows) {
   SKIP_WITHOUT_SM90();
-  const RowsPerExpertMax gate(300);
+  const ScopedSetting<int64_t> gate(g_rows_per_expert_max, 300);
   const std::vector<std::vector<int>> counts = {
       {1, 0, 2, 1, 0, 3, 0, 1},          // <= 4 per hit expert: the 128 x 8 tile
       {0, 9, 0, 12, 7, 0, 0, 10},         // 4..12: the 128 x 16 tile
@@ -493,9 +493,10 @@ TEST(Sm90GemmPlan, GatedIntervalsCoverEveryAverageOnce) {
         const int64_t h = rows == 0 ? 0 : hits;
         int running = 0;
         for (int i = 0; i < plan.count; ++i) {
-          const auto& l = plan.launch[i];
-          running += (l.gate_min_avg == 0 || rows > int64_t{l.gate_min_avg} * h) &&
-                     (l.gate_max_avg == 0 || rows <= int64_t{l.gate_max_avg} * h);
+          sm90::GemmParams gate;
+          gate.gate_min_avg = plan.launch[i].gate_min_avg;
+          gate.gate_max_avg = plan.launch[i].gate_max_avg;
+          running += sm90::gate_admits(gate, rows, static_cast<int>(h));
         }
         ASSERT_EQ(running, 1) << "rows " << rows << " over " << h << " hit experts";
       }
@@ -574,7 +575,7 @@ TEST(Sm90Gemm, EveryTileConfig) {
 // The same cases with the static split of the units (a workspace without a unit counter).
 TEST(Sm90Gemm, EveryTileConfigStaticUnits) {
   SKIP_WITHOUT_SM90();
-  const StaticUnits static_units(true);
+  const ScopedSetting<bool> static_units(g_static_units, true);
   for (const sm90::GemmTile tile : kDefaultTiles) every_tile_case(tile);
 }
 
@@ -592,7 +593,7 @@ TEST(Sm90Gemm, RunTimeUnitsAgreeBitwiseWithStaticSplit) {
     SCOPED_TRACE("tile=" + std::to_string(int(tile)) + " k_splits=" + std::to_string(splits));
     std::vector<uint16_t> l1[2], l2[2];
     for (int fixed = 0; fixed < 2; ++fixed) {
-      const StaticUnits scope(fixed == 1);
+      const ScopedSetting<bool> scope(g_static_units, fixed == 1);
       run_l1_case(p, p.rows, Activation::swiglu(), true, true, tile, splits, &l1[fixed]);
       run_l2_case(p, p.rows, true, tile, splits, &l2[fixed]);
     }
@@ -979,7 +980,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
           MEGAMOE_CUDA_CHECK(cudaEventSynchronize(t1));
           cudaEventElapsedTime(&one, t0, t1);
           cudaEventDestroy(t0); cudaEventDestroy(t1);
-          print_timeline(std::string(s.name) + " T=" + std::to_string(T) + (which == 0 ? " L1" : " L2") + " tile=" + std::to_string(int(tile)) + (mode == 1 ? " static" : ""), one * 1e3);
+          print_timeline(std::string(s.name) + " T=" + std::to_string(T) + (which == 0 ? " L1" : " L2") + " tile=" + std::to_string(int(tile)) + kModeLabel[mode], one * 1e3);
         }
 #endif
         printf("[bench] %-11s T=%5d %s tile=%d%s rows=%6lld experts=%6.1f  median %9.1f us (min %9.1f)  %7.1f TFLOP/s  weights %6.0f GB/s  eager %9.1f us\n",
