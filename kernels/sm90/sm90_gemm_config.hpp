@@ -306,5 +306,12 @@ using PrefillK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2>;
 using PrefillAsyncK2Config = GemmConfig<2, 2, 128, 16, 2, 1, true, true, 2, true>;
 using PrefillAsyncK2TwinConfig = GemmConfig<2, 2, 128, 16, 5, 1, true, true, 1, true>;
 using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, true>;
+//   PrefillK2N96 / PrefillAsyncK2N96 (candidates): PrefillK2 / PrefillAsyncK2 with at most 96
+//            token rows per tile, for experts averaging ~70-85 rows (Kimi-K3 at T = 4096: 73, whose
+//            tiles run wgmma N = 80 in the 128-row tiles): the smaller B stage leaves room for one
+//            stage more (4 instead of 3; the asynchronous one 3 instead of 2). K must be a multiple
+//            of 128 (no one-k-block twin; the launcher's check).
+using PrefillK2N96Config = GemmConfig<2, 2, 96, 16, 4, 1, true, true, 2>;
+using PrefillAsyncK2N96Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true>;
 
 }  // namespace megamoe::sm90

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "layout/sm90_weight_layout.hpp"
 #include "ptx/sm90_ptx.cuh"
@@ -210,15 +211,94 @@ struct Mainloop {
   // Software pipeline over units (stage, k-block j of the stage, weight block sub), in that
   // order: the wgmmas of unit u are issued, then the A fragments of unit u + 1 are converted
   // (waiting for the next stage's copies first when u + 1 starts a new stage) while they run,
-  // then wait_group 0. The converted fragments alternate between two register sets; with an even
-  // number of weight blocks per warpgroup the set of every unit is a compile-time constant, with
-  // one block per warpgroup (decode) the next set is copied into the current one after the wait.
+  // then wait_group 0. The converted fragments alternate between two register sets: unit g of
+  // the tile's K loop uses set g % 2. The set of every unit is a compile-time constant when a
+  // stage has an even number of units (kMBlocksPerWG x kKBlocksPerStage), or, with an odd number,
+  // when the loop runs two stages per iteration (an even number of stages: run_overlapped);
+  // otherwise the next set is copied into the current one after the wait (kCopySets).
   // NOTES: wait_group 0 per unit (not 1 across units) keeps no wgmma in flight over the k-loop
   // back edge and no in-flight register written: ptxas then keeps the wgmmas asynchronous
   // (a version with wait_group 1 across stages serialized them, C7513). The k-blocks of a stage
   // are an unrolled loop of compile-time length (a wgmma under a data-dependent branch
   // serializes them all, C7520), so K must be a multiple of the stage depth (the launcher's
   // check).
+  // NOTES: why two stages per iteration: with one unit per stage (the 128 x 192 prefill tiles,
+  // one weight block per warpgroup and one k-block per stage) the copy was 16 MOVs per unit on
+  // top of ~80 instructions (SASS of PrefillWideAsync L1, 04896d4).
+  static constexpr int kUnitsPerStage = kMBlocksPerWG * Cfg::kKBlocksPerStage;
+
+  // One stage of the overlapped loop: its units' wgmmas, the conversion of each next unit (the
+  // next stage's first one if has_next_stage, after waiting for its copies), and the release of
+  // the stage. kStageParity: the set parity of the stage's first unit.
+  template <int kN, int kStageParity, bool kCopySets>
+  __device__ __forceinline__ static void overlapped_stage(
+      float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
+      const uint8_t* smem_sf, uint64_t* full_bars, uint64_t* empty_bars, int wg, int tid,
+      bool first_stage, bool has_next_stage, int stage, uint32_t phase, BlockFrags (&frags)[2]) {
+    constexpr int kKSub = Cfg::kKBlocksPerStage;
+    const int lm0 = wg * kMBlocksPerWG;
+    // k16 step s of k-block j starts 32 bytes further into each 128-byte swizzled row of box j
+    // (descriptor units of 16 B). Descriptors and the scale-d flag are computed before the
+    // fence, outside the wgmma window.
+    // NOTES: broadcast from lane 0 so that ptxas sees a warp-uniform value: the descriptors then
+    // live in uniform registers (UIADD3 / UMOV per wgmma) instead of being moved there by two
+    // R2UR plus a rebuilt constant high word per wgmma (~5 fewer instructions per weight block).
+    const uint32_t desc_stage = __shfl_sync(
+        0xFFFFFFFFu, ptx::smem_desc_k128b_lo(smem_b + stage * Cfg::kSmemBBytes), 0);
+    const int next_stage = stage + 1 == Cfg::kNumStages ? 0 : stage + 1;
+    const uint32_t next_phase = stage + 1 == Cfg::kNumStages ? phase ^ 1u : phase;
+#pragma unroll
+    for (int j = 0; j < kKSub; ++j) {
+      // Low descriptor words (the start address field; the stage base is 1024-aligned, so the
+      // additions never carry out of it); the high word is the constant kSmemDescK128bHi.
+      uint32_t desc[kSteps];
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        desc[s] = desc_stage + static_cast<uint32_t>((j * Cfg::kSmemBBoxBytes +
+                                                       s * sm90_layout::kStepK * 2) / 16);
+      }
+      const uint32_t scale_d0 = !first_stage || j != 0 ? 1u : 0u;
+#pragma unroll
+      for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
+        const int unit = j * kMBlocksPerWG + sub;
+        const int cur = kCopySets ? 0 : (kStageParity + unit) & 1;
+        const int nxt = kCopySets ? 1 : cur ^ 1;
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
+              acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
+        }
+        ptx::wgmma_commit();
+        if (sub + 1 < kMBlocksPerWG) {
+          load_convert_block(a_block(smem_a, stage, lm0 + sub + 1, j),
+                             sf_block(smem_sf, stage, lm0 + sub + 1, j), tid, frags[nxt]);
+        } else if (j + 1 < kKSub) {
+          load_convert_block(a_block(smem_a, stage, lm0, j + 1),
+                             sf_block(smem_sf, stage, lm0, j + 1), tid, frags[nxt]);
+        } else if (has_next_stage) {  // uniform over the warpgroup
+          ptx::mbar_wait(&full_bars[next_stage], next_phase);
+          load_convert_block(a_block(smem_a, next_stage, lm0, 0),
+                             sf_block(smem_sf, next_stage, lm0, 0), tid, frags[nxt]);
+        }
+        ptx::wgmma_wait<0>();
+        if constexpr (kCopySets) {
+#pragma unroll
+          for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) frags[0][s][r] = frags[1][s][r];
+          }
+        }
+      }
+    }
+    // This stage's wgmmas are done: release its buffers. Every math thread arrives (the
+    // barrier counts all of them), so each thread's own ld.shared of the stage is ordered
+    // before the producer's next bulk copy into it by the barrier alone.
+    // NOTES: with one arrival per warp (lane 0, after __syncwarp) compute-sanitizer racecheck
+    // reported WAR hazards between lanes 1-31's reads and that copy (H200, a5576ca, ae48def).
+    ptx::mbar_arrive(&empty_bars[stage]);
+  }
+
   template <int kN>
   __device__ __forceinline__ static void run_overlapped(
       float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
@@ -238,77 +318,38 @@ struct Mainloop {
       }
       return;
     }
-    constexpr bool kStaticSets = kMBlocksPerWG % 2 == 0;
-    constexpr int kKSub = Cfg::kKBlocksPerStage;
-    const int lm0 = wg * kMBlocksPerWG;
-    const int num_k_stages = num_k_blocks / kKSub;
+    const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
     BlockFrags frags[2];
     ptx::mbar_wait(&full_bars[stage], phase);
-    load_convert_block(a_block(smem_a, stage, lm0, 0), sf_block(smem_sf, stage, lm0, 0), tid,
-                       frags[0]);
-    for (int ks = 0; ks < num_k_stages; ++ks) {
-      // k16 step s of k-block j starts 32 bytes further into each 128-byte swizzled row of box j
-      // (descriptor units of 16 B). Descriptors and the scale-d flag are computed before the
-      // fence, outside the wgmma window.
-      // NOTES: broadcast from lane 0 so that ptxas sees a warp-uniform value: the descriptors then
-      // live in uniform registers (UIADD3 / UMOV per wgmma) instead of being moved there by two
-      // R2UR plus a rebuilt constant high word per wgmma (~5 fewer instructions per weight block).
-      const uint32_t desc_stage = __shfl_sync(
-          0xFFFFFFFFu, ptx::smem_desc_k128b_lo(smem_b + stage * Cfg::kSmemBBytes), 0);
-      const bool has_next_stage = ks + 1 < num_k_stages;
-      const int next_stage = stage + 1 == Cfg::kNumStages ? 0 : stage + 1;
-      const uint32_t next_phase = stage + 1 == Cfg::kNumStages ? phase ^ 1u : phase;
-#pragma unroll
-      for (int j = 0; j < kKSub; ++j) {
-        // Low descriptor words (the start address field; the stage base is 1024-aligned, so the
-        // additions never carry out of it); the high word is the constant kSmemDescK128bHi.
-        uint32_t desc[kSteps];
-#pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-          desc[s] = desc_stage + static_cast<uint32_t>((j * Cfg::kSmemBBoxBytes +
-                                                         s * sm90_layout::kStepK * 2) / 16);
-        }
-        const uint32_t scale_d0 = ks != 0 || j != 0 ? 1u : 0u;
-#pragma unroll
-        for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
-          const int cur = kStaticSets ? (sub & 1) : 0;
-          const int nxt = kStaticSets ? ((sub + 1) & 1) : 1;
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int s = 0; s < kSteps; ++s) {
-            ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
-                acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
-          }
-          ptx::wgmma_commit();
-          if (sub + 1 < kMBlocksPerWG) {
-            load_convert_block(a_block(smem_a, stage, lm0 + sub + 1, j),
-                               sf_block(smem_sf, stage, lm0 + sub + 1, j), tid, frags[nxt]);
-          } else if (j + 1 < kKSub) {
-            load_convert_block(a_block(smem_a, stage, lm0, j + 1),
-                               sf_block(smem_sf, stage, lm0, j + 1), tid, frags[nxt]);
-          } else if (has_next_stage) {  // uniform over the warpgroup
-            ptx::mbar_wait(&full_bars[next_stage], next_phase);
-            load_convert_block(a_block(smem_a, next_stage, lm0, 0),
-                               sf_block(smem_sf, next_stage, lm0, 0), tid, frags[nxt]);
-          }
-          ptx::wgmma_wait<0>();
-          if constexpr (!kStaticSets) {
-#pragma unroll
-            for (int s = 0; s < kSteps; ++s) {
-#pragma unroll
-              for (int r = 0; r < 4; ++r) frags[0][s][r] = frags[1][s][r];
-            }
-          }
-        }
+    load_convert_block(a_block(smem_a, stage, wg * kMBlocksPerWG, 0),
+                       sf_block(smem_sf, stage, wg * kMBlocksPerWG, 0), tid, frags[0]);
+    auto advance = [&] {
+      if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+    };
+    // One stage per iteration, with the set parity fixed (kCopy = false: an even number of
+    // units per stage) or the next set copied into the current one (kCopy = true).
+    auto stage_loop = [&](auto copy_tag) {
+      constexpr bool kCopy = decltype(copy_tag)::value;
+      for (int ks = 0; ks < num_k_stages; ++ks) {
+        overlapped_stage<kN, 0, kCopy>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, wg,
+                                       tid, ks == 0, ks + 1 < num_k_stages, stage, phase, frags);
+        advance();
       }
-      // This stage's wgmmas are done: release its buffers. Every math thread arrives (the
-      // barrier counts all of them), so each thread's own ld.shared of the stage is ordered
-      // before the producer's next bulk copy into it by the barrier alone.
-      // NOTES: with one arrival per warp (lane 0, after __syncwarp) compute-sanitizer racecheck
-      // reported WAR hazards between lanes 1-31's reads and that copy (H200, a5576ca, ae48def).
-      ptx::mbar_arrive(&empty_bars[stage]);
-      stage = next_stage;
-      phase = next_phase;
+    };
+    if constexpr (kUnitsPerStage % 2 == 0) {
+      stage_loop(std::false_type{});
+    } else if (num_k_stages % 2 == 0) {
+      // Two stages per iteration: the second stage's units start on the odd set.
+      for (int ks = 0; ks < num_k_stages; ks += 2) {
+        overlapped_stage<kN, 0, false>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, wg,
+                                       tid, ks == 0, true, stage, phase, frags);
+        advance();
+        overlapped_stage<kN, 1, false>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, wg,
+                                       tid, false, ks + 2 < num_k_stages, stage, phase, frags);
+        advance();
+      }
+    } else {
+      stage_loop(std::true_type{});
     }
   }
 

@@ -172,6 +172,17 @@ void launch_k_staged(const GemmParams& p, const uint16_t* b_rows, cudaStream_t s
   }
 }
 
+// A config with several k-blocks per stage that has no one-k-block twin: K must be a multiple of
+// its stage depth.
+template <class Cfg, GemmKind kKind>
+void launch_k_multiple(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
+  constexpr int kStageK = Cfg::kKBlocksPerStage * sm90_layout::kBlockK;
+  MEGAMOE_CHECK_ARG(p.k % kStageK == 0, "sm90 gemm: tile with ", Cfg::kKBlocksPerStage,
+                    " k-blocks per stage: expected K (the reduction: H for L1, I for L2) a "
+                    "multiple of ", kStageK, ", got ", p.k);
+  launch_config<Cfg, kKind>(p, b_rows, stream);
+}
+
 // kAuto picks among the overlapped-mainloop configs unless MEGAMOE_SM90_GEMM_OVERLAP=0.
 bool overlap_by_default() {
   static const bool on = [] {
@@ -309,6 +320,12 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
       return;
     case GemmTile::kPrefillWideAsync:
       launch_config<PrefillWideAsyncConfig, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillK2N96:
+      launch_k_multiple<PrefillK2N96Config, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillAsyncK2N96:
+      launch_k_multiple<PrefillAsyncK2N96Config, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:

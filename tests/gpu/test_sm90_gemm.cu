@@ -532,7 +532,14 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
-                                          sm90::GemmTile::kPrefillAsyncK2};
+                                          sm90::GemmTile::kPrefillAsyncK2,
+                                          sm90::GemmTile::kPrefillK2N96,
+                                          sm90::GemmTile::kPrefillAsyncK2N96};
+
+// Tiles without a one-k-block twin: K must be a multiple of 128.
+bool needs_k_multiple_of_128(sm90::GemmTile tile) {
+  return tile == sm90::GemmTile::kPrefillK2N96 || tile == sm90::GemmTile::kPrefillAsyncK2N96;
+}
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -542,6 +549,11 @@ void every_tile_case(sm90::GemmTile tile) {
   const Problem q = make_problem(320, 192, {5, 0, 200, 17, 300}, true, 9);
   run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile);
   run_l2_case(p, p.rows, true, tile);
+  if (needs_k_multiple_of_128(tile)) {  // K = 320 / 192: rejected, naming K
+    EXPECT_THROW(run_l1_case(q, 1, Activation::situ(4.0f, 25.0f), false, false, tile), megamoe::Error);
+    EXPECT_THROW(run_l2_case(q, 1, false, tile), megamoe::Error);
+    return;
+  }
   run_l1_case(q, 1, Activation::situ(4.0f, 25.0f), false, false, tile);
   run_l2_case(q, 1, false, tile);
 }
@@ -803,6 +815,15 @@ static bool bench_tokens_selected(int T) {
   return list.find("," + std::to_string(T) + ",") != std::string::npos;
 }
 
+// MEGAMOE_BENCH_TILES="0,25,28" restricts it to those tiles (sm90::GemmTile numbers; 0 is kAuto
+// with its four launch modes; default: all).
+static bool bench_tile_selected(sm90::GemmTile tile) {
+  const char* env = std::getenv("MEGAMOE_BENCH_TILES");
+  if (env == nullptr || *env == 0) return true;
+  std::string list = std::string(",") + env + ",";
+  return list.find("," + std::to_string(static_cast<int>(tile)) + ",") != std::string::npos;
+}
+
 TEST(Sm90GemmBench, DISABLED_Shapes) {
   SKIP_WITHOUT_SM90();
   const auto& dev = cuda::device_info();
@@ -898,6 +919,8 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillK2);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2);
         variants.push_back(sm90::GemmTile::kPrefillWideAsync);
+        variants.push_back(sm90::GemmTile::kPrefillK2N96);
+        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96);
       }
       // Split-K (T <= 8): the 128-row split tile forced with 1..kMaxKSplits K parts.
       // Modes (kAuto only; every other row is mode 0):
@@ -908,11 +931,13 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
       //   3 the static split, programmatic launches.
       struct Run { sm90::GemmTile tile; int parts; int mode; };
       std::vector<Run> runs;
-      for (int mode = 0; mode < 4; ++mode) runs.push_back({sm90::GemmTile::kAuto, 0, mode});
-      for (const sm90::GemmTile tile : variants) {
-        if (tile != sm90::GemmTile::kAuto) runs.push_back({tile, 0, 0});
+      if (bench_tile_selected(sm90::GemmTile::kAuto)) {
+        for (int mode = 0; mode < 4; ++mode) runs.push_back({sm90::GemmTile::kAuto, 0, mode});
       }
-      if (T <= 8) {
+      for (const sm90::GemmTile tile : variants) {
+        if (tile != sm90::GemmTile::kAuto && bench_tile_selected(tile)) runs.push_back({tile, 0, 0});
+      }
+      if (T <= 8 && bench_tile_selected(sm90::GemmTile::kDecode16X2K2Split)) {
         for (int parts = 1; parts <= sm90::kMaxKSplits; ++parts)
           runs.push_back({sm90::GemmTile::kDecode16X2K2Split, parts, 0});
       }
