@@ -313,5 +313,8 @@ using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, tr
 //            of 128 (no one-k-block twin; the launcher's check).
 using PrefillK2N96Config = GemmConfig<2, 2, 96, 16, 4, 1, true, true, 2>;
 using PrefillAsyncK2N96Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true>;
+//   PrefillAsyncK2N64 (candidate): the asynchronous one with at most 64 token rows and 5 stages,
+//            for experts averaging 13-48 rows (DeepSeek-V3 at T = 512-1024).
+using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, true>;
 
 }  // namespace megamoe::sm90

@@ -92,6 +92,15 @@ constexpr int64_t kDecode8MaxAvgRows = 4;
 // revision 59c5d80, bench/results/gemm_bench_59c5d80.txt).
 constexpr int64_t kWideMinAvgRows = 112;
 constexpr int64_t kWideMaxAvgRows = 166;
+// Average rows in (kDecodeOverlapMaxAvgRows, 80] (overlapped configs, K a multiple of 128): the
+// 256 x 96 tile with the asynchronous epilogue (PrefillAsyncK2N96, 3 stages). Where PrefillK2 runs
+// wgmma N <= 96 anyway, its smaller B stage leaves room for the staging of the asynchronous
+// epilogue with one stage more than the 128-row version (PrefillAsyncK2, 2 stages). Measured
+// against PrefillK2 (H200, 3f7d1ed, bench/results/gemm_bench_3f7d1ed.txt): Kimi-K3 T = 4096
+// (73 rows) L1 1.06x, L2 1.04x; DeepSeek-V3 T = 512 (16 rows) L1 1.14x, L2 1.06x.
+// NOTES: 80 leaves the largest expert of uniform routing within 96 rows (~1.8 sigma at 80);
+// above it experts start to need a second n-tile, which costs a whole K loop of conversion.
+constexpr int64_t kAsyncN96MaxAvgRows = 80;
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -260,6 +269,9 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
       tile = overlap ? decode_overlap : GemmTile::kDecode16;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
       tile = GemmTile::kPrefillWideAsync;
+    } else if (overlap && avg <= kAsyncN96MaxAvgRows &&
+               (p.k / sm90_layout::kBlockK) % PrefillAsyncK2N96Config::kKBlocksPerStage == 0) {
+      tile = GemmTile::kPrefillAsyncK2N96;
     } else if (overlap) {
       tile = GemmTile::kPrefillK2;
     } else {
@@ -326,6 +338,9 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
       return;
     case GemmTile::kPrefillAsyncK2N96:
       launch_k_multiple<PrefillAsyncK2N96Config, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillAsyncK2N64:
+      launch_k_multiple<PrefillAsyncK2N64Config, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:

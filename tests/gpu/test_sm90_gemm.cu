@@ -525,6 +525,7 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kDecode16X2Overlap,   // kDecode16X2K2's twin when K % 128 != 0
     sm90::GemmTile::kDecode16X2Overlap3,  // kDecode16X2K2x3's twin
     sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillWideAsync,
+    sm90::GemmTile::kPrefillAsyncK2N96,  // (K % 128 != 0: rejected; kAuto takes kPrefillK2 there)
     sm90::GemmTile::kPrefillStaged,  // kPrefillK2's twin when K % 128 != 0
     sm90::GemmTile::kPrefillWideStaged,
     sm90::GemmTile::kPrefillOverlap, sm90::GemmTile::kPrefillWideOverlap,  // kAuto's before v6
@@ -534,11 +535,12 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
                                           sm90::GemmTile::kPrefillK2N96,
-                                          sm90::GemmTile::kPrefillAsyncK2N96};
+                                          sm90::GemmTile::kPrefillAsyncK2N64};
 
 // Tiles without a one-k-block twin: K must be a multiple of 128.
 bool needs_k_multiple_of_128(sm90::GemmTile tile) {
-  return tile == sm90::GemmTile::kPrefillK2N96 || tile == sm90::GemmTile::kPrefillAsyncK2N96;
+  return tile == sm90::GemmTile::kPrefillK2N96 || tile == sm90::GemmTile::kPrefillAsyncK2N96 ||
+         tile == sm90::GemmTile::kPrefillAsyncK2N64;
 }
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
@@ -694,6 +696,18 @@ TEST(ReliabilitySanitize, PrefillStagedEpilogues) {
   }
 }
 
+// The same for the asynchronous tiles that need K a multiple of 128 (no twin): 96- and 64-row
+// n-tiles, experts above 96 and 192 rows.
+TEST(ReliabilitySanitize, PrefillAsyncNarrowTiles) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 200, 3, 130, 97}, true, 19);
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kPrefillAsyncK2N96,
+                                    sm90::GemmTile::kPrefillAsyncK2N64}) {
+    run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, true, tile);
+    run_l2_case(p, p.rows, true, tile);
+  }
+}
+
 // More tiles than CTA slots (132 SMs x 4): every CTA runs several tiles, so the pipeline's stage
 // and phase carry over tile boundaries (L1 of the 256-row tile: 8 m-tiles x 96 experts).
 TEST(Sm90GemmOptIn, SeveralTilesPerCta) {
@@ -807,12 +821,20 @@ void print_timeline(const std::string& label, double event_us) {
 }
 #endif
 
-// MEGAMOE_BENCH_TOKENS="1,8" restricts the GEMM benchmark to those token counts (default: all).
-static bool bench_tokens_selected(int T) {
+// MEGAMOE_BENCH_TOKENS="1,8" replaces the GEMM benchmark's token counts (default 1, 8, 64, 512,
+// 4096, 8192; any count up to 8192).
+static std::vector<int> bench_token_list() {
   const char* env = std::getenv("MEGAMOE_BENCH_TOKENS");
-  if (env == nullptr || *env == 0) return true;
-  std::string list = std::string(",") + env + ",";
-  return list.find("," + std::to_string(T) + ",") != std::string::npos;
+  if (env == nullptr || *env == 0) return {1, 8, 64, 512, 4096, 8192};
+  std::vector<int> list;
+  for (const char* c = env; *c != 0;) {
+    char* end = nullptr;
+    const long t = std::strtol(c, &end, 10);
+    if (end == c) { ++c; continue; }
+    if (t >= 1 && t <= 8192) list.push_back(static_cast<int>(t));
+    c = end;
+  }
+  return list;
 }
 
 // MEGAMOE_BENCH_TILES="0,25,28" restricts it to those tiles (sm90::GemmTile numbers; 0 is kAuto
@@ -840,7 +862,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
     printf("[bench] %s: device copy %.2f TB/s (read + write)\n", dev.name.c_str(), 5 * 2.0 * bytes / (ms * 1e-3) / 1e12);
   }
   const BenchShape shapes[] = {{"kimi-k3", 3584, 3072, 896, 16}, {"deepseek-v3", 7168, 2048, 256, 8}};
-  const int tokens[] = {1, 8, 64, 512, 4096, 8192};
+  const std::vector<int> tokens = bench_token_list();
   for (const auto& s : shapes) {
     const int64_t max_rows = 8192 * s.K;
     Buffer w13(s.E * 2 * s.I * s.H / 2, Device::cuda()), w13sf(s.E * 2 * s.I * s.H / 32, Device::cuda());
@@ -863,7 +885,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
                                      int64_t(bench_split_tiles) * sm90::kMaxKSplits * 128 * 16);
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     for (int T : tokens) {
-      if (!bench_tokens_selected(T)) continue;
       // Uniform top-k routing without repeats, 4 seeds rotated (different experts each launch).
       constexpr int kRot = 4;
       std::vector<Buffer> offs;
@@ -921,6 +942,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillWideAsync);
         variants.push_back(sm90::GemmTile::kPrefillK2N96);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96);
+        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N64);
       }
       // Split-K (T <= 8): the 128-row split tile forced with 1..kMaxKSplits K parts.
       // Modes (kAuto only; every other row is mode 0):
