@@ -101,6 +101,12 @@ constexpr int64_t kWideMaxAvgRows = 166;
 // NOTES: 80 leaves the largest expert of uniform routing within 96 rows (~1.8 sigma at 80);
 // above it experts start to need a second n-tile, which costs a whole K loop of conversion.
 constexpr int64_t kAsyncN96MaxAvgRows = 80;
+// At or below 40 average rows the 256 x 64 version (PrefillAsyncK2N64, 5 stages): against the
+// 96-row one (H200, dd2ab35, bench/results/gemm_bench_dd2ab35.txt) Kimi-K3 T = 1024 (18 rows) L1
+// 1.01x, L2 1.10x, T = 2048 (37 rows) 1.03x / 1.03x; DeepSeek-V3 T = 512 (16 rows) 1.02x /
+// 1.03x, T = 1024 (32 rows) 1.02x / 0.96x. 40 keeps the largest expert of uniform routing within
+// 64 rows (~3.8 sigma).
+constexpr int64_t kAsyncN64MaxAvgRows = 40;
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -271,7 +277,9 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
       tile = GemmTile::kPrefillWideAsync;
     } else if (overlap && avg <= kAsyncN96MaxAvgRows &&
                (p.k / sm90_layout::kBlockK) % PrefillAsyncK2N96Config::kKBlocksPerStage == 0) {
-      tile = GemmTile::kPrefillAsyncK2N96;
+      static_assert(PrefillAsyncK2N64Config::kKBlocksPerStage ==
+                    PrefillAsyncK2N96Config::kKBlocksPerStage, "same K condition");
+      tile = avg <= kAsyncN64MaxAvgRows ? GemmTile::kPrefillAsyncK2N64 : GemmTile::kPrefillAsyncK2N96;
     } else if (overlap) {
       tile = GemmTile::kPrefillK2;
     } else {

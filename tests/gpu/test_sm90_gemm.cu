@@ -526,6 +526,7 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kDecode16X2Overlap3,  // kDecode16X2K2x3's twin
     sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillWideAsync,
     sm90::GemmTile::kPrefillAsyncK2N96,  // (K % 128 != 0: rejected; kAuto takes kPrefillK2 there)
+    sm90::GemmTile::kPrefillAsyncK2N64,  // (the same)
     sm90::GemmTile::kPrefillStaged,  // kPrefillK2's twin when K % 128 != 0
     sm90::GemmTile::kPrefillWideStaged,
     sm90::GemmTile::kPrefillOverlap, sm90::GemmTile::kPrefillWideOverlap,  // kAuto's before v6
@@ -534,8 +535,7 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillK2N96,
-                                          sm90::GemmTile::kPrefillAsyncK2N64};
+                                          sm90::GemmTile::kPrefillK2N96};
 
 // Tiles without a one-k-block twin: K must be a multiple of 128.
 bool needs_k_multiple_of_128(sm90::GemmTile tile) {
