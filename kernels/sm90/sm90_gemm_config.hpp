@@ -306,15 +306,15 @@ using PrefillK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2>;
 using PrefillAsyncK2Config = GemmConfig<2, 2, 128, 16, 2, 1, true, true, 2, true>;
 using PrefillAsyncK2TwinConfig = GemmConfig<2, 2, 128, 16, 5, 1, true, true, 1, true>;
 using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, true>;
-//   PrefillK2N96 / PrefillAsyncK2N96 (candidates): PrefillK2 / PrefillAsyncK2 with at most 96
-//            token rows per tile, for experts averaging ~70-85 rows (Kimi-K3 at T = 4096: 73, whose
-//            tiles run wgmma N = 80 in the 128-row tiles): the smaller B stage leaves room for one
-//            stage more (4 instead of 3; the asynchronous one 3 instead of 2). K must be a multiple
-//            of 128 (no one-k-block twin; the launcher's check).
-using PrefillK2N96Config = GemmConfig<2, 2, 96, 16, 4, 1, true, true, 2>;
+//   PrefillAsyncK2N96 / PrefillAsyncK2N64: PrefillAsyncK2 with at most 96 / 64 token rows per
+//            tile, kAuto's tiles for experts averaging 41-80 / 13-40 rows when K is a multiple of
+//            128 (no one-k-block twin; the launcher's check). In that range PrefillK2 runs wgmma
+//            N <= 96 anyway; the smaller B stage leaves room for the asynchronous epilogue's
+//            staging with 3 / 5 stages, where the 128-row version keeps 2.
+//            NOTES: the non-asynchronous 256 x 96 tile with 4 stages (tile 33) was no faster than
+//            PrefillK2 (Kimi-K3 T = 4096 L1 8429 against 8305 us; H200, 3f7d1ed): removed. The
+//            asynchronous epilogue, not the stage count, is the gain.
 using PrefillAsyncK2N96Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true>;
-//   PrefillAsyncK2N64 (candidate): the asynchronous one with at most 64 token rows and 5 stages,
-//            for experts averaging 13-48 rows (DeepSeek-V3 at T = 512-1024).
 using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, true>;
 
 }  // namespace megamoe::sm90

@@ -155,32 +155,13 @@ struct Mainloop {
            (lm * Cfg::kKBlocksPerStage + j) * sm90_layout::kSfBlockBytes;
   }
 
-  // This thread's packed words of one 64-row x 64-deep weight block: 16 bytes of E2M1 codes and
-  // the word of its rows' scale bytes.
-  struct RawBlock {
-    uint4 wv;
-    uint32_t sfw;
-  };
-  __device__ __forceinline__ static RawBlock load_block(const uint8_t* a_blk, const uint8_t* sf_blk,
-                                                        int tid) {
-    const int warp = tid / 32, g = (tid % 32) / 4;
-    return {ptx::ld_shared_v4(a_blk + tid * sm90_layout::kThreadBytes),
-            ptx::ld_shared_u32(sf_blk + (warp * 8 + g) * 4)};
-  }
-
   // Converts this thread's A fragments of one 64-row x 64-deep weight block in shared memory.
   __device__ __forceinline__ static void load_convert_block(const uint8_t* a_blk,
                                                             const uint8_t* sf_blk, int tid,
                                                             BlockFrags& frags) {
-    convert_block(load_block(a_blk, sf_blk, tid), tid, frags);
-  }
-
-  // Converts loaded words (load_block) into BF16 A fragments.
-  __device__ __forceinline__ static void convert_block(const RawBlock& raw, int tid,
-                                                       BlockFrags& frags) {
-    (void)tid;
-    const uint4 wv = raw.wv;
-    const uint32_t sfw = raw.sfw;
+    const int warp = tid / 32, g = (tid % 32) / 4;
+    const uint4 wv = ptx::ld_shared_v4(a_blk + tid * sm90_layout::kThreadBytes);
+    const uint32_t sfw = ptx::ld_shared_u32(sf_blk + (warp * 8 + g) * 4);
     if constexpr (MEGAMOE_DIAG_MAINLOOP == 1) {
       const uint32_t words[kSteps] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
@@ -244,16 +225,15 @@ struct Mainloop {
   // NOTES: why two stages per iteration: with one unit per stage (the 128 x 192 prefill tiles,
   // one weight block per warpgroup and one k-block per stage) the copy was 16 MOVs per unit on
   // top of ~80 instructions (SASS of PrefillWideAsync L1, 04896d4).
+  // NOTES (rejected): loading each block's words one unit ahead of its conversion (a register
+  // copy of the packed words, loaded by the previous unit) in the two-k-block prefill tiles, to
+  // take the shared-memory latency out of the conversion (the top stall of its first multiply,
+  // ~9 % of the samples; ncu, PrefillAsyncK2N96, Kimi-K3 T = 4096 L1, dd2ab35): 2-5 % slower in
+  // every prefill tile and token count it ran (H200, 5d05e25 against dd2ab35 in one call,
+  // bench/results/gemm_bench_5d05e25_*.txt), while the 128 x 192 tile, which it left alone, read
+  // 0.99-1.02x: the other math warpgroup hides that latency already, and the extra loads land in
+  // front of the wgmma wait.
   static constexpr int kUnitsPerStage = kMBlocksPerWG * Cfg::kKBlocksPerStage;
-  // Words loaded one unit ahead of their conversion (kPrefetchWords): each unit converts words
-  // that the previous unit loaded and loads those of the unit after next, so the shared-memory
-  // latency no longer sits in front of the conversion. The prefill configs with at least two
-  // units per stage (the setmaxnreg ones have the registers; the unit after next is then at most
-  // one stage ahead).
-  // NOTES: why: Nsight Compute on PrefillAsyncK2N96 (Kimi-K3 T = 4096 L1, dd2ab35): the first
-  // multiply after each block's shared-memory load was the top stall of the conversion (short
-  // scoreboard, ~9 % of the samples).
-  static constexpr bool kPrefetchWords = Cfg::kUseSetMaxNReg && kUnitsPerStage >= 2;
 
   // One stage of the overlapped loop: its units' wgmmas, the conversion of each next unit (the
   // next stage's first one if has_next_stage, after waiting for its copies), and the release of
@@ -262,8 +242,7 @@ struct Mainloop {
   __device__ __forceinline__ static void overlapped_stage(
       float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
       const uint8_t* smem_sf, uint64_t* full_bars, uint64_t* empty_bars, int wg, int tid,
-      bool first_stage, bool has_next_stage, int stage, uint32_t phase, BlockFrags (&frags)[2],
-      RawBlock& raw) {
+      bool first_stage, bool has_next_stage, int stage, uint32_t phase, BlockFrags (&frags)[2]) {
     constexpr int kKSub = Cfg::kKBlocksPerStage;
     const int lm0 = wg * kMBlocksPerWG;
     // k16 step s of k-block j starts 32 bytes further into each 128-byte swizzled row of box j
@@ -299,24 +278,7 @@ struct Mainloop {
               acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
         }
         ptx::wgmma_commit();
-        if constexpr (kPrefetchWords) {
-          // Convert the next unit (its words loaded one unit earlier), then load the words of the
-          // unit after next (in the next stage from the stage's second-to-last unit on).
-          if (unit + 1 < kUnitsPerStage || has_next_stage) convert_block(raw, tid, frags[nxt]);
-          // (unit is a constant of the unrolled loops: these branches fold away.)
-          const int ahead = unit + 2;
-          if (ahead < kUnitsPerStage) {
-            raw = load_block(a_block(smem_a, stage, lm0 + ahead % kMBlocksPerWG, ahead / kMBlocksPerWG),
-                             sf_block(smem_sf, stage, lm0 + ahead % kMBlocksPerWG, ahead / kMBlocksPerWG),
-                             tid);
-          } else if (has_next_stage) {  // uniform over the warpgroup
-            const int next_unit = ahead - kUnitsPerStage;
-            if (next_unit == 0) ptx::mbar_wait(&full_bars[next_stage], next_phase);
-            raw = load_block(a_block(smem_a, next_stage, lm0 + next_unit % kMBlocksPerWG, next_unit / kMBlocksPerWG),
-                             sf_block(smem_sf, next_stage, lm0 + next_unit % kMBlocksPerWG, next_unit / kMBlocksPerWG),
-                             tid);
-          }
-        } else if (sub + 1 < kMBlocksPerWG) {
+        if (sub + 1 < kMBlocksPerWG) {
           load_convert_block(a_block(smem_a, stage, lm0 + sub + 1, j),
                              sf_block(smem_sf, stage, lm0 + sub + 1, j), tid, frags[nxt]);
         } else if (j + 1 < kKSub) {
@@ -366,15 +328,9 @@ struct Mainloop {
     }
     const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
     BlockFrags frags[2];
-    RawBlock raw{};  // (kPrefetchWords: the words of the unit after the one being converted)
     ptx::mbar_wait(&full_bars[stage], phase);
-    const int lm0 = wg * kMBlocksPerWG;
-    load_convert_block(a_block(smem_a, stage, lm0, 0), sf_block(smem_sf, stage, lm0, 0), tid,
-                       frags[0]);
-    if constexpr (kPrefetchWords) {  // unit 1 is in the first stage (kUnitsPerStage >= 2)
-      raw = load_block(a_block(smem_a, stage, lm0 + 1 % kMBlocksPerWG, 1 / kMBlocksPerWG),
-                       sf_block(smem_sf, stage, lm0 + 1 % kMBlocksPerWG, 1 / kMBlocksPerWG), tid);
-    }
+    load_convert_block(a_block(smem_a, stage, wg * kMBlocksPerWG, 0),
+                       sf_block(smem_sf, stage, wg * kMBlocksPerWG, 0), tid, frags[0]);
     auto advance = [&] {
       if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
     };
@@ -384,8 +340,7 @@ struct Mainloop {
       constexpr bool kCopy = decltype(copy_tag)::value;
       for (int ks = 0; ks < num_k_stages; ++ks) {
         overlapped_stage<kN, 0, kCopy>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, wg,
-                                       tid, ks == 0, ks + 1 < num_k_stages, stage, phase, frags,
-                                       raw);
+                                       tid, ks == 0, ks + 1 < num_k_stages, stage, phase, frags);
         advance();
       }
     };
@@ -395,11 +350,10 @@ struct Mainloop {
       // Two stages per iteration: the second stage's units start on the odd set.
       for (int ks = 0; ks < num_k_stages; ks += 2) {
         overlapped_stage<kN, 0, false>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, wg,
-                                       tid, ks == 0, true, stage, phase, frags, raw);
+                                       tid, ks == 0, true, stage, phase, frags);
         advance();
         overlapped_stage<kN, 1, false>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, wg,
-                                       tid, false, ks + 2 < num_k_stages, stage, phase, frags,
-                                       raw);
+                                       tid, false, ks + 2 < num_k_stages, stage, phase, frags);
         advance();
       }
     } else {

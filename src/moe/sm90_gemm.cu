@@ -341,9 +341,6 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     case GemmTile::kPrefillWideAsync:
       launch_config<PrefillWideAsyncConfig, kKind>(p, b_rows, stream);
       return;
-    case GemmTile::kPrefillK2N96:
-      launch_k_multiple<PrefillK2N96Config, kKind>(p, b_rows, stream);
-      return;
     case GemmTile::kPrefillAsyncK2N96:
       launch_k_multiple<PrefillAsyncK2N96Config, kKind>(p, b_rows, stream);
       return;

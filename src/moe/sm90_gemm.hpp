@@ -77,9 +77,10 @@ enum class GemmTile : int {
   kDecode16X2K2Split = 29,   // kDecode16X2K2 taking k_splits (split-K; the only tile that does)
   kDecode8X2K2 = 30,         // 128 x 8, overlapped, two k-blocks per stage, 4 stages (kAuto's
                              // decode tile at <= 4 rows per expert with a unit counter)
-  kPrefillK2N96 = 33,        // kPrefillK2 with at most 96 token rows, 4 stages (candidate; K % 128 == 0)
-  kPrefillAsyncK2N96 = 34,   // kPrefillAsyncK2 with at most 96 token rows, 3 stages (same)
-  kPrefillAsyncK2N64 = 35,   // kPrefillAsyncK2 with at most 64 token rows, 5 stages (candidate; same)
+  // 33 was kPrefillK2 with at most 96 token rows and 4 stages, removed: no faster than 25 or 34
+  // (H200, 3f7d1ed).
+  kPrefillAsyncK2N96 = 34,   // kPrefillAsyncK2 with at most 96 token rows, 3 stages (K % 128 == 0)
+  kPrefillAsyncK2N64 = 35,   // kPrefillAsyncK2 with at most 64 token rows, 5 stages (the same)
   // 32 was a 64 x 8 tile with two k-blocks per stage (candidate), removed: 1.08-1.20x slower
   // than 30 at T = 1 and 8 (H200, dddf285).
   // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:

@@ -534,13 +534,11 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
-                                          sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillK2N96};
+                                          sm90::GemmTile::kPrefillAsyncK2};
 
 // Tiles without a one-k-block twin: K must be a multiple of 128.
 bool needs_k_multiple_of_128(sm90::GemmTile tile) {
-  return tile == sm90::GemmTile::kPrefillK2N96 || tile == sm90::GemmTile::kPrefillAsyncK2N96 ||
-         tile == sm90::GemmTile::kPrefillAsyncK2N64;
+  return tile == sm90::GemmTile::kPrefillAsyncK2N96 || tile == sm90::GemmTile::kPrefillAsyncK2N64;
 }
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
@@ -940,7 +938,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillK2);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2);
         variants.push_back(sm90::GemmTile::kPrefillWideAsync);
-        variants.push_back(sm90::GemmTile::kPrefillK2N96);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N64);
       }
