@@ -84,19 +84,6 @@ MEGAMOE_HD float act_silu(float g, bool fast_math) {
   return fast_math ? g * act_recip(d, true) : g / d;
 }
 
-// x / d, correctly rounded. When d is a power of two whose reciprocal is a normal float, x * (1 / d)
-// rounds the same real number (1 / d is exact), so it is the same value with one multiply instead
-// of a division (situ's g / beta at beta = 4; the check is on the activation's constant and is
-// hoisted out of the epilogue's loops).
-MEGAMOE_HD float act_div(float x, float d) {
-  const uint32_t bits = f32_bits(d);
-  const uint32_t exp_field = (bits >> 23) & 0xFFu;
-  if ((bits & 0x7FFFFFu) == 0 && exp_field >= 2 && exp_field <= 252) {
-    return x * f32_from_bits((bits & 0x80000000u) | ((254u - exp_field) << 23));
-  }
-  return x / d;
-}
-
 MEGAMOE_HD float act_tanh(float x) {
 #if defined(__CUDA_ARCH__)
   return tanhf(x);
@@ -116,8 +103,8 @@ MEGAMOE_HD float apply_activation(const Activation& act, float g, float u, bool 
       return act_silu(g, fast_math) * u;
     }
     case ActivationKind::kSitu: {
-      const float gate = act.beta * act_tanh(act_div(g, act.beta)) * act_sigmoid(g, fast_math);
-      const float lin = act.linear_beta * act_tanh(act_div(u, act.linear_beta));
+      const float gate = act.beta * act_tanh(g / act.beta) * act_sigmoid(g, fast_math);
+      const float lin = act.linear_beta * act_tanh(u / act.linear_beta);
       return gate * lin;
     }
     case ActivationKind::kSwigluOai: {

@@ -62,36 +62,6 @@ TEST(Activation, SituMatchesFp64OnAGrid) {
   }
 }
 
-// act_div's multiply by the reciprocal of a power of two is the division bit for bit (normal,
-// subnormal, zero, infinite and NaN x; positive and negative d), and other divisors divide.
-TEST(Activation, DivisionByAPowerOfTwoIsTheDivision) {
-  const float inf = std::numeric_limits<float>::infinity();
-  const float xs[] = {0.0f, -0.0f, 1.0f, -3.7f, 1e-38f, 3e-39f, -1.4e-45f, 6.5e37f, 3.4e38f,
-                      inf, -inf, std::numeric_limits<float>::quiet_NaN(), 0.1f, 12345.678f};
-  const float ds[] = {4.0f, 0.25f, 2.0f, -8.0f, 0x1p-125f, 0x1p125f, 25.0f, 3.0f, 0x1p-127f,
-                      0x1p127f, inf};
-  for (float d : ds) {
-    for (float x : xs) {
-      const float want = x / d;
-      const float got = act_div(x, d);
-      if (std::isnan(want)) {
-        EXPECT_TRUE(std::isnan(got)) << x << " / " << d;
-      } else {
-        EXPECT_EQ(f32_bits(got), f32_bits(want)) << x << " / " << d;
-      }
-    }
-  }
-  uint32_t state = 12345u;
-  for (int i = 0; i < 100000; ++i) {
-    state = state * 1664525u + 1013904223u;
-    const float x = f32_from_bits(state);
-    if (std::isnan(x)) continue;
-    for (float d : {4.0f, 0x1p-100f, 0x1p100f}) {
-      EXPECT_EQ(f32_bits(act_div(x, d)), f32_bits(x / d)) << x << " / " << d;
-    }
-  }
-}
-
 TEST(Activation, SwigluAndClampEdges) {
   const Activation plain = Activation::swiglu();
   const double silu7_times7 = 48.95535849147437;  // 7 / (1 + e^-7) * 7
