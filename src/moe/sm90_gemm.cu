@@ -86,7 +86,8 @@ constexpr int64_t kDecode8MaxAvgRows = 4;
 // PrefillWideStaged in each of the last three runs (Kimi-K3 T = 8192 474 / 472 / 479 TFLOP/s
 // against 458 / 448 / 471, DeepSeek-V3 T = 4096 434 / 428 / 455 against 422 / 410 / 416; H200,
 // 22bacc4, bfaad7c, b59f869), where at 59c5d80 the staged tile had led at Kimi-K3 T = 8192
-// (1.08x); L2 ran PrefillWideStaged until then. Outside that range both GEMMs run PrefillK2
+// (1.08x); L2 ran PrefillWideStaged until then. Outside that range (and above
+// kAsyncN96MaxAvgRows, or when K is not a multiple of 128) both GEMMs run PrefillK2
 // (256 x 128, two k-blocks per stage):
 // 1.07-1.36x over the former PrefillStaged (L1) / PrefillOverlap (L2) picks at T >= 4096 (H200,
 // revision 59c5d80, bench/results/gemm_bench_59c5d80.txt).
