@@ -167,12 +167,18 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
   cuda::launch(kernel, grid, Cfg::kThreads, smem, stream, p.prefetch_before_wait != 0, map, p);
 }
 
+// K (a multiple of 64, check_common) is a whole number of the config's pipeline stages.
+template <class Cfg>
+bool k_fits_stages(int64_t k) {
+  return (k / sm90_layout::kBlockK) % Cfg::kKBlocksPerStage == 0;
+}
+
 // Pipeline stages of K for a config launched through launch_k_staged (its twin, one k-block per
 // stage, when K is not a multiple of its stage depth).
 template <class Cfg>
 int64_t k_staged_stages(int64_t k) {
   const int64_t k_blocks = k / sm90_layout::kBlockK;
-  return k_blocks % Cfg::kKBlocksPerStage == 0 ? k_blocks / Cfg::kKBlocksPerStage : k_blocks;
+  return k_fits_stages<Cfg>(k) ? k_blocks / Cfg::kKBlocksPerStage : k_blocks;
 }
 
 // A config with several k-blocks per stage when K is a multiple of its stage depth, else its
@@ -181,7 +187,7 @@ template <class Cfg, class Twin, GemmKind kKind>
 void launch_k_staged(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
   static_assert(Twin::kKBlocksPerStage == 1 && Twin::kBlockM == Cfg::kBlockM &&
                     Twin::kBlockN == Cfg::kBlockN, "the twin is the same tile");
-  if ((p.k / sm90_layout::kBlockK) % Cfg::kKBlocksPerStage == 0) {
+  if (k_fits_stages<Cfg>(p.k)) {
     launch_config<Cfg, kKind>(p, b_rows, stream);
   } else {
     launch_config<Twin, kKind>(p, b_rows, stream);
@@ -193,7 +199,7 @@ void launch_k_staged(const GemmParams& p, const uint16_t* b_rows, cudaStream_t s
 template <class Cfg, GemmKind kKind>
 void launch_k_multiple(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
   constexpr int kStageK = Cfg::kKBlocksPerStage * sm90_layout::kBlockK;
-  MEGAMOE_CHECK_ARG(p.k % kStageK == 0, "sm90 gemm: tile with ", Cfg::kKBlocksPerStage,
+  MEGAMOE_CHECK_ARG(k_fits_stages<Cfg>(p.k), "sm90 gemm: tile with ", Cfg::kKBlocksPerStage,
                     " k-blocks per stage: expected K (the reduction: H for L1, I for L2) a "
                     "multiple of ", kStageK, ", got ", p.k);
   launch_config<Cfg, kKind>(p, b_rows, stream);
@@ -276,11 +282,10 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
       tile = overlap ? decode_overlap : GemmTile::kDecode16;
     } else if (overlap && avg > kWideMinAvgRows && avg <= kWideMaxAvgRows) {
       tile = GemmTile::kPrefillWideAsync;
-    } else if (overlap && avg <= kAsyncN96MaxAvgRows &&
-               (p.k / sm90_layout::kBlockK) % PrefillAsyncK2N96Config::kKBlocksPerStage == 0) {
-      static_assert(PrefillAsyncK2N64Config::kKBlocksPerStage ==
-                    PrefillAsyncK2N96Config::kKBlocksPerStage, "same K condition");
-      tile = avg <= kAsyncN64MaxAvgRows ? GemmTile::kPrefillAsyncK2N64 : GemmTile::kPrefillAsyncK2N96;
+    } else if (overlap && avg <= kAsyncN64MaxAvgRows && k_fits_stages<PrefillAsyncK2N64Config>(p.k)) {
+      tile = GemmTile::kPrefillAsyncK2N64;
+    } else if (overlap && avg <= kAsyncN96MaxAvgRows && k_fits_stages<PrefillAsyncK2N96Config>(p.k)) {
+      tile = GemmTile::kPrefillAsyncK2N96;
     } else if (overlap) {
       tile = GemmTile::kPrefillK2;
     } else {

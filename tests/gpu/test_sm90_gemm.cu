@@ -819,18 +819,28 @@ void print_timeline(const std::string& label, double event_us) {
 }
 #endif
 
+// The integers of a comma-separated environment variable (empty when unset or empty).
+static std::vector<long> env_int_list(const char* name) {
+  std::vector<long> list;
+  const char* env = std::getenv(name);
+  for (const char* c = env != nullptr ? env : ""; *c != 0;) {
+    char* end = nullptr;
+    const long v = std::strtol(c, &end, 10);
+    if (end == c) { ++c; continue; }
+    list.push_back(v);
+    c = end;
+  }
+  return list;
+}
+
 // MEGAMOE_BENCH_TOKENS="1,8" replaces the GEMM benchmark's token counts (default 1, 8, 64, 512,
 // 4096, 8192; any count up to 8192).
 static std::vector<int> bench_token_list() {
-  const char* env = std::getenv("MEGAMOE_BENCH_TOKENS");
-  if (env == nullptr || *env == 0) return {1, 8, 64, 512, 4096, 8192};
+  const std::vector<long> env = env_int_list("MEGAMOE_BENCH_TOKENS");
+  if (env.empty()) return {1, 8, 64, 512, 4096, 8192};
   std::vector<int> list;
-  for (const char* c = env; *c != 0;) {
-    char* end = nullptr;
-    const long t = std::strtol(c, &end, 10);
-    if (end == c) { ++c; continue; }
+  for (long t : env) {
     if (t >= 1 && t <= 8192) list.push_back(static_cast<int>(t));
-    c = end;
   }
   return list;
 }
@@ -838,10 +848,9 @@ static std::vector<int> bench_token_list() {
 // MEGAMOE_BENCH_TILES="0,25,28" restricts it to those tiles (sm90::GemmTile numbers; 0 is kAuto
 // with its four launch modes; default: all).
 static bool bench_tile_selected(sm90::GemmTile tile) {
-  const char* env = std::getenv("MEGAMOE_BENCH_TILES");
-  if (env == nullptr || *env == 0) return true;
-  std::string list = std::string(",") + env + ",";
-  return list.find("," + std::to_string(static_cast<int>(tile)) + ",") != std::string::npos;
+  static const std::vector<long> tiles = env_int_list("MEGAMOE_BENCH_TILES");
+  return tiles.empty() ||
+         std::find(tiles.begin(), tiles.end(), static_cast<long>(tile)) != tiles.end();
 }
 
 TEST(Sm90GemmBench, DISABLED_Shapes) {
