@@ -214,6 +214,20 @@ __device__ __forceinline__ uint32_t ld_shared_u32(const void* p) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)));
   return v;
 }
+// The same loads at a shared-window address (smem_addr): the mainloop keeps its per-thread
+// offsets as such addresses and adds only compile-time and stage offsets per load.
+__device__ __forceinline__ uint4 ld_shared_v4_at(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_shared_u32_at(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
 
 // The value of x, hidden from the optimizer (a volatile move is never hoisted out of a loop):
 // keeps loop-invariant arithmetic on x where it is used instead of in live registers.

@@ -143,25 +143,38 @@ struct Mainloop {
   // ---- overlapped mainloop (kOverlapConvert, the configs kAuto picks): conversion of the next
   // block during the current block's wgmmas, one multiply per conversion when the scales allow.
 
-  // Shared-memory weight / scale block of CTA-local weight block `lm`, k-block `j` of a stage.
-  __device__ __forceinline__ static const uint8_t* a_block(const uint8_t* smem_a, int stage, int lm,
-                                                           int j) {
-    return smem_a + stage * Cfg::kSmemABytes +
-           (lm * Cfg::kKBlocksPerStage + j) * sm90_layout::kBlockBytes;
+  // This thread's shared-window addresses of its words and scale word in the warpgroup's first
+  // weight block of stage 0, k-block 0 (computed once per tile); a unit's loads add only the
+  // stage offset (warp-uniform) and compile-time offsets.
+  // NOTES: why: with the block pointers and tid passed down, ptxas rebuilt the thread part from
+  // SR_TID.X in every unit (~17 instructions, S2R's latency at the head of the conversion's
+  // dependency chain; SASS of PrefillAsyncK2N96 L1, 6be321e).
+  struct ThreadAddrs {
+    uint32_t a, sf;
+  };
+  __device__ __forceinline__ static ThreadAddrs thread_addrs(const uint8_t* smem_a,
+                                                             const uint8_t* smem_sf, int wg,
+                                                             int tid) {
+    const int warp = tid / 32, g = (tid % 32) / 4;
+    const int lm0 = wg * kMBlocksPerWG * Cfg::kKBlocksPerStage;
+    return {ptx::smem_addr(smem_a) + lm0 * sm90_layout::kBlockBytes + tid * sm90_layout::kThreadBytes,
+            ptx::smem_addr(smem_sf) + lm0 * sm90_layout::kSfBlockBytes + (warp * 8 + g) * 4};
   }
-  __device__ __forceinline__ static const uint8_t* sf_block(const uint8_t* smem_sf, int stage,
-                                                            int lm, int j) {
-    return smem_sf + stage * Cfg::kSmemSfBytes +
-           (lm * Cfg::kKBlocksPerStage + j) * sm90_layout::kSfBlockBytes;
+  // Offsets of the warpgroup's weight block `sub`, k-block `j` of a stage (the order of the
+  // global layout: block-major, then k-block).
+  static constexpr uint32_t a_offset(int sub, int j) {
+    return static_cast<uint32_t>((sub * Cfg::kKBlocksPerStage + j) * sm90_layout::kBlockBytes);
+  }
+  static constexpr uint32_t sf_offset(int sub, int j) {
+    return static_cast<uint32_t>((sub * Cfg::kKBlocksPerStage + j) * sm90_layout::kSfBlockBytes);
   }
 
-  // Converts this thread's A fragments of one 64-row x 64-deep weight block in shared memory.
-  __device__ __forceinline__ static void load_convert_block(const uint8_t* a_blk,
-                                                            const uint8_t* sf_blk, int tid,
+  // Converts this thread's A fragments of one 64-row x 64-deep weight block in shared memory
+  // (a_addr, sf_addr: this thread's words and scale word, ThreadAddrs plus offsets).
+  __device__ __forceinline__ static void load_convert_block(uint32_t a_addr, uint32_t sf_addr,
                                                             BlockFrags& frags) {
-    const int warp = tid / 32, g = (tid % 32) / 4;
-    const uint4 wv = ptx::ld_shared_v4(a_blk + tid * sm90_layout::kThreadBytes);
-    const uint32_t sfw = ptx::ld_shared_u32(sf_blk + (warp * 8 + g) * 4);
+    const uint4 wv = ptx::ld_shared_v4_at(a_addr);
+    const uint32_t sfw = ptx::ld_shared_u32_at(sf_addr);
     if constexpr (MEGAMOE_DIAG_MAINLOOP == 1) {
       const uint32_t words[kSteps] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
@@ -240,11 +253,10 @@ struct Mainloop {
   // the stage. kStageParity: the set parity of the stage's first unit.
   template <int kN, int kStageParity, bool kCopySets>
   __device__ __forceinline__ static void overlapped_stage(
-      float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
-      const uint8_t* smem_sf, uint64_t* full_bars, uint64_t* empty_bars, int wg, int tid,
-      bool first_stage, bool has_next_stage, int stage, uint32_t phase, BlockFrags (&frags)[2]) {
+      float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, ThreadAddrs addrs,
+      uint64_t* full_bars, uint64_t* empty_bars, bool first_stage, bool has_next_stage, int stage,
+      uint32_t phase, BlockFrags (&frags)[2]) {
     constexpr int kKSub = Cfg::kKBlocksPerStage;
-    const int lm0 = wg * kMBlocksPerWG;
     // k16 step s of k-block j starts 32 bytes further into each 128-byte swizzled row of box j
     // (descriptor units of 16 B). Descriptors and the scale-d flag are computed before the
     // fence, outside the wgmma window.
@@ -255,6 +267,8 @@ struct Mainloop {
         0xFFFFFFFFu, ptx::smem_desc_k128b_lo(smem_b + stage * Cfg::kSmemBBytes), 0);
     const int next_stage = stage + 1 == Cfg::kNumStages ? 0 : stage + 1;
     const uint32_t next_phase = stage + 1 == Cfg::kNumStages ? phase ^ 1u : phase;
+    const uint32_t a_stage = addrs.a + static_cast<uint32_t>(stage * Cfg::kSmemABytes);
+    const uint32_t sf_stage = addrs.sf + static_cast<uint32_t>(stage * Cfg::kSmemSfBytes);
 #pragma unroll
     for (int j = 0; j < kKSub; ++j) {
       // Low descriptor words (the start address field; the stage base is 1024-aligned, so the
@@ -279,15 +293,16 @@ struct Mainloop {
         }
         ptx::wgmma_commit();
         if (sub + 1 < kMBlocksPerWG) {
-          load_convert_block(a_block(smem_a, stage, lm0 + sub + 1, j),
-                             sf_block(smem_sf, stage, lm0 + sub + 1, j), tid, frags[nxt]);
+          load_convert_block(a_stage + a_offset(sub + 1, j), sf_stage + sf_offset(sub + 1, j),
+                             frags[nxt]);
         } else if (j + 1 < kKSub) {
-          load_convert_block(a_block(smem_a, stage, lm0, j + 1),
-                             sf_block(smem_sf, stage, lm0, j + 1), tid, frags[nxt]);
+          load_convert_block(a_stage + a_offset(0, j + 1), sf_stage + sf_offset(0, j + 1),
+                             frags[nxt]);
         } else if (has_next_stage) {  // uniform over the warpgroup
           ptx::mbar_wait(&full_bars[next_stage], next_phase);
-          load_convert_block(a_block(smem_a, next_stage, lm0, 0),
-                             sf_block(smem_sf, next_stage, lm0, 0), tid, frags[nxt]);
+          load_convert_block(addrs.a + static_cast<uint32_t>(next_stage * Cfg::kSmemABytes),
+                             addrs.sf + static_cast<uint32_t>(next_stage * Cfg::kSmemSfBytes),
+                             frags[nxt]);
         }
         ptx::wgmma_wait<0>();
         if constexpr (kCopySets) {
@@ -327,10 +342,11 @@ struct Mainloop {
       return;
     }
     const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
+    const ThreadAddrs addrs = thread_addrs(smem_a, smem_sf, wg, tid);
     BlockFrags frags[2];
     ptx::mbar_wait(&full_bars[stage], phase);
-    load_convert_block(a_block(smem_a, stage, wg * kMBlocksPerWG, 0),
-                       sf_block(smem_sf, stage, wg * kMBlocksPerWG, 0), tid, frags[0]);
+    load_convert_block(addrs.a + static_cast<uint32_t>(stage * Cfg::kSmemABytes),
+                       addrs.sf + static_cast<uint32_t>(stage * Cfg::kSmemSfBytes), frags[0]);
     auto advance = [&] {
       if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
     };
@@ -339,8 +355,8 @@ struct Mainloop {
     auto stage_loop = [&](auto copy_tag) {
       constexpr bool kCopy = decltype(copy_tag)::value;
       for (int ks = 0; ks < num_k_stages; ++ks) {
-        overlapped_stage<kN, 0, kCopy>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, wg,
-                                       tid, ks == 0, ks + 1 < num_k_stages, stage, phase, frags);
+        overlapped_stage<kN, 0, kCopy>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0,
+                                       ks + 1 < num_k_stages, stage, phase, frags);
         advance();
       }
     };
@@ -349,11 +365,11 @@ struct Mainloop {
     } else if (num_k_stages % 2 == 0) {
       // Two stages per iteration: the second stage's units start on the odd set.
       for (int ks = 0; ks < num_k_stages; ks += 2) {
-        overlapped_stage<kN, 0, false>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, wg,
-                                       tid, ks == 0, true, stage, phase, frags);
+        overlapped_stage<kN, 0, false>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0, true,
+                                       stage, phase, frags);
         advance();
-        overlapped_stage<kN, 1, false>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, wg,
-                                       tid, false, ks + 2 < num_k_stages, stage, phase, frags);
+        overlapped_stage<kN, 1, false>(acc, smem_b, addrs, full_bars, empty_bars, false,
+                                       ks + 2 < num_k_stages, stage, phase, frags);
         advance();
       }
     } else {
