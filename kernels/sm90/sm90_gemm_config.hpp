@@ -123,8 +123,7 @@ struct GemmConfig {
   // producer is a whole warpgroup; without it (decode: several CTAs per SM) one warp.
   // kAsyncEpilogue: the producer warpgroup's warps 1..3 run the epilogue (below) and keep more
   // registers. The pool is the launch allocation (168 x 384: the math warpgroups can only grow
-  // by what the producer warpgroup gives back): 2 x 128 x (208 - 168) <= 128 x (168 - 88);
-  // with three math warpgroups (128 x 512) 3 x 128 x (136 - 128) <= 128 x (128 - 88).
+  // by what the producer warpgroup gives back): 2 x 128 x (208 - 168) <= 128 x (168 - 88).
   static constexpr bool kUseSetMaxNReg = kMinBlocksPerSM == 1 && kNumMathWG >= 2;
   static constexpr int kProducerThreads = kUseSetMaxNReg ? kWarpgroupThreads : 32;
   static constexpr int kThreads = kWarpgroupThreads * kNumMathWG + kProducerThreads;
@@ -136,7 +135,7 @@ struct GemmConfig {
   static constexpr int kBarStageFree = kBarStaged + 1;
   static constexpr int kStageSyncThreads = kWarpgroupThreads + kEpilogueThreads;
   static constexpr int kProducerRegs = kAsyncEpilogue ? 88 : 40;
-  static constexpr int kMathRegs = kAsyncEpilogue ? (kNumMathWG == 3 ? 136 : 208) : 232;
+  static constexpr int kMathRegs = kAsyncEpilogue ? 208 : 232;
   // The launch allocation per thread (65536 registers over the CTA, in units of 8).
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
 
@@ -199,9 +198,8 @@ struct GemmConfig {
   static_assert(!kSplitK_ || (kNumMathWG == 1 && !kAsyncEpilogue),
                 "split-K: one math warpgroup owns the tile");
   static_assert(!kAsyncEpilogue || (kStagedEpilogue && kOverlapConvert && kMinBlocksPerSM == 1 &&
-                                    (kNumMathWG == 2 || (kNumMathWG == 3 && kMBlocksPerWG == 1))),
-                "the asynchronous epilogue: staged, overlapped, one CTA per SM, two math "
-                "warpgroups (or three of one weight block each)");
+                                    kNumMathWG == 2),
+                "the asynchronous epilogue: staged, overlapped, one CTA per SM, two math warpgroups");
 };
 
 // The configurations that ship (one table; see the launcher for when each is used):
@@ -318,16 +316,5 @@ using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, tr
 //            asynchronous epilogue, not the stage count, is the gain.
 using PrefillAsyncK2N96Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true>;
 using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, true>;
-//   PrefillAsync3K2N96 (candidate): three math warpgroups of one weight block each (192 x 96),
-//            two k-blocks per stage, 4 stages, the asynchronous epilogue; 136 registers per math
-//            thread.
-//            NOTES: why: the 256 x 96 tile's math warps issue 0.37 instructions per scheduler
-//            per cycle, stalled on the dependency chains of the conversion (ncu, Kimi-K3
-//            T = 4096 L1, dd2ab35): three math warps per scheduler instead of two should hide
-//            more of that latency, at 1.33x the B (token) traffic per weight byte.
-//   PrefillAsync3K2N128 (candidate): the same with up to 128 token rows (3 stages), for experts of
-//            81-128 rows (DeepSeek-V3 at T = 4096 averages 128).
-using PrefillAsync3K2N96Config = GemmConfig<3, 1, 96, 16, 4, 1, true, true, 2, true>;
-using PrefillAsync3K2N128Config = GemmConfig<3, 1, 128, 16, 3, 1, true, true, 2, true>;
 
 }  // namespace megamoe::sm90

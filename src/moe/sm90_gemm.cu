@@ -353,12 +353,6 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     case GemmTile::kPrefillAsyncK2N64:
       launch_k_multiple<PrefillAsyncK2N64Config, kKind>(p, b_rows, stream);
       return;
-    case GemmTile::kPrefillAsync3K2N96:
-      launch_k_multiple<PrefillAsync3K2N96Config, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillAsync3K2N128:
-      launch_k_multiple<PrefillAsync3K2N128Config, kKind>(p, b_rows, stream);
-      return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
     case GemmTile::kAutoSerial:

@@ -81,9 +81,6 @@ enum class GemmTile : int {
   // (H200, 3f7d1ed).
   kPrefillAsyncK2N96 = 34,   // kPrefillAsyncK2 with at most 96 token rows, 3 stages (K % 128 == 0)
   kPrefillAsyncK2N64 = 35,   // kPrefillAsyncK2 with at most 64 token rows, 5 stages (the same)
-  kPrefillAsync3K2N96 = 36,  // three math warpgroups, 192 x 96, asynchronous epilogue, 4 stages
-                             // (the same; candidate, kAuto does not pick it)
-  kPrefillAsync3K2N128 = 37, // the same with up to 128 token rows, 3 stages (candidate)
   // 32 was a 64 x 8 tile with two k-blocks per stage (candidate), removed: 1.08-1.20x slower
   // than 30 at T = 1 and 8 (H200, dddf285).
   // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:
