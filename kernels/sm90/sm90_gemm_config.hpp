@@ -314,6 +314,15 @@ using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, tr
 //            NOTES: the non-asynchronous 256 x 96 tile with 4 stages (tile 33) was no faster than
 //            PrefillK2 (Kimi-K3 T = 4096 L1 8429 against 8305 us; H200, 3f7d1ed): removed. The
 //            asynchronous epilogue, not the stage count, is the gain.
+//            NOTES (rejected): three math warpgroups of one weight block each with the
+//            asynchronous epilogue (192 x 96, 4 stages, and 192 x 128, 3 stages; 136 registers
+//            per math thread, ~104 used), to put three math warps on each scheduler where the
+//            256 x 96 tile's two issue 0.37 instructions per cycle: Kimi-K3 T = 4096 L1 the same
+//            as the 256 x 96 tile (7942 / 7814 against 7900 / 7987 us), L2 1.05x slower, DeepSeek-V3
+//            T = 4096 1.13x (128 rows: 1.13x slower than kAuto's 128 x 192 tile), T = 2048
+//            1.03-1.04x slower (H200, 550f76a, bench/results/gemm_bench_550f76a*.txt). More
+//            warps per scheduler do not raise the issue rate: the math warps are not short of
+//            latency hiding alone.
 using PrefillAsyncK2N96Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true>;
 using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, true>;
 
