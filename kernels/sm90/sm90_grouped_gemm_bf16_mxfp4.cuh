@@ -33,6 +33,13 @@
 #ifndef MEGAMOE_DIAG_SPLIT_FREE
 #define MEGAMOE_DIAG_SPLIT_FREE 0
 #endif
+// MEGAMOE_DIAG_EPILOGUE_FREE (measurement builds only): 1 makes the asynchronous epilogue's
+// warps skip the finishing of each staged block (they still wait for it and hand the staging
+// area back), so the GEMM benchmark's async rows time the mainloop and the staging alone: the
+// epilogue warps' share of a prefill tile (results wrong).
+#ifndef MEGAMOE_DIAG_EPILOGUE_FREE
+#define MEGAMOE_DIAG_EPILOGUE_FREE 0
+#endif
 
 namespace megamoe::sm90 {
 
@@ -250,7 +257,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
           for (int w = 0; w < Cfg::kNumMathWG; ++w) {
             ptx::named_barrier_sync(Cfg::kBarStaged + 2 * w, Cfg::kStageSyncThreads);
 #pragma unroll 1
-            for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+            for (int sub = 0; sub < (MEGAMOE_DIAG_EPILOGUE_FREE ? 0 : Cfg::kMBlocksPerWG); ++sub) {
               const int lm = w * Cfg::kMBlocksPerWG + sub;
               if (lm >= tile.num_m_blocks) break;
               const int mblk = tile.m_block0 + lm;
