@@ -100,10 +100,14 @@ MEGAMOE_HD bool gate_admits(const GemmParams& p, int64_t rows, int hits) {
 // (the launcher falls back to the one-k-block twin otherwise).
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
-          int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false, bool kSplitK_ = false>
+          int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false, bool kSplitK_ = false,
+          int kEpilogueWG_ = 1>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
   static constexpr bool kAsyncEpilogue = kAsyncEpilogue_;
+  // Warpgroups beside the math ones (setmaxnreg configs): the producer's, and with
+  // kEpilogueWG = 2 a second one whose four warps also run the asynchronous epilogue.
+  static constexpr int kEpilogueWG = kEpilogueWG_;
   static constexpr int kKBlocksPerStage = kKBlocksPerStage_;
   static constexpr bool kStagedEpilogue = kStagedEpilogue_;
   static constexpr int kNumMathWG = kNumMathWG_;
@@ -123,11 +127,13 @@ struct GemmConfig {
   // producer is a whole warpgroup; without it (decode: several CTAs per SM) one warp.
   // kAsyncEpilogue: the producer warpgroup's warps 1..3 run the epilogue (below) and keep more
   // registers. The pool is the launch allocation (168 x 384: the math warpgroups can only grow
-  // by what the producer warpgroup gives back): 2 x 128 x (208 - 168) <= 128 x (168 - 88).
+  // by what the producer warpgroup gives back): 2 x 128 x (208 - 168) <= 128 x (168 - 88). With
+  // a second epilogue warpgroup (kEpilogueWG = 2: 7 epilogue warps, 128 x 512 at launch):
+  // 2 x 128 x (168 - 128) <= 2 x 128 x (128 - 88).
   static constexpr bool kUseSetMaxNReg = kMinBlocksPerSM == 1 && kNumMathWG >= 2;
-  static constexpr int kProducerThreads = kUseSetMaxNReg ? kWarpgroupThreads : 32;
+  static constexpr int kProducerThreads = kUseSetMaxNReg ? kWarpgroupThreads * kEpilogueWG : 32;
   static constexpr int kThreads = kWarpgroupThreads * kNumMathWG + kProducerThreads;
-  static constexpr int kEpilogueThreads = kAsyncEpilogue ? kWarpgroupThreads - 32 : 0;
+  static constexpr int kEpilogueThreads = kAsyncEpilogue ? kProducerThreads - 32 : 0;
   // Named barriers of the asynchronous epilogue, per math warpgroup w: kBarStaged + 2w (the
   // warpgroup's tile is in shared memory) and kBarStageFree + 2w (the epilogue warps have read it),
   // after 1 + w, the staged epilogue's own warpgroup barriers.
@@ -135,7 +141,7 @@ struct GemmConfig {
   static constexpr int kBarStageFree = kBarStaged + 1;
   static constexpr int kStageSyncThreads = kWarpgroupThreads + kEpilogueThreads;
   static constexpr int kProducerRegs = kAsyncEpilogue ? 88 : 40;
-  static constexpr int kMathRegs = kAsyncEpilogue ? 208 : 232;
+  static constexpr int kMathRegs = kAsyncEpilogue ? (kEpilogueWG == 2 ? 168 : 208) : 232;
   // The launch allocation per thread (65536 registers over the CTA, in units of 8).
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
 
@@ -188,13 +194,15 @@ struct GemmConfig {
   static_assert(!kAsyncEpilogue || kBarStageFree + 2 * (kNumMathWG - 1) <= 15,
                 "named barriers 1..kNumMathWG, then two per math warpgroup");
   static_assert(!kUseSetMaxNReg || kNumMathWG * (kMathRegs - kLaunchRegs) <=
-                                       kLaunchRegs - kProducerRegs,
+                                       kEpilogueWG * (kLaunchRegs - kProducerRegs),
                 "setmaxnreg: the math warpgroups can only take what the producer warpgroup gives "
                 "back (a larger request never completes: the first async version failed its "
                 "launch)");
   static_assert(kNumMathWG * 4 <= 15, "named barriers 1..kNumMathWG");
   static_assert(kKBlocksPerStage >= 1 && (kKBlocksPerStage == 1 || kOverlapConvert),
                 "several k-blocks per stage: overlapped mainloop only");
+  static_assert(kEpilogueWG == 1 || (kEpilogueWG == 2 && kAsyncEpilogue),
+                "a second epilogue warpgroup: asynchronous epilogue only");
   static_assert(!kSplitK_ || (kNumMathWG == 1 && !kAsyncEpilogue),
                 "split-K: one math warpgroup owns the tile");
   static_assert(!kAsyncEpilogue || (kStagedEpilogue && kOverlapConvert && kMinBlocksPerSM == 1 &&
@@ -325,5 +333,14 @@ using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, tr
 //            latency hiding alone.
 using PrefillAsyncK2N96Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true>;
 using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, true>;
+//   PrefillAsyncK2N96E2 / PrefillWideAsyncE2 (candidates): tiles 34 / 28 with a second
+//            epilogue warpgroup (7 epilogue warps instead of 3, one or two on every scheduler;
+//            math warps at 168 registers).
+//            NOTES: why: with the epilogue warps skipping their work (-DMEGAMOE_DIAG_EPILOGUE_FREE=1)
+//            Kimi-K3 T = 4096 L1 ran 1.15-1.17x faster on tile 34, T = 8192 1.06-1.10x on tile 28,
+//            L2 and DeepSeek-V3 1.00-1.04x (H200, e821cc9, bench/results/gemm_bench_e821cc9_diag*):
+//            SiTU's two accurate tanh per element on three warps bound the L1 tile.
+using PrefillAsyncK2N96E2Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true, false, 2>;
+using PrefillWideAsyncE2Config = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, true, false, 2>;
 
 }  // namespace megamoe::sm90

@@ -241,15 +241,17 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     return sp * num_k_stages / parts * Cfg::kKBlocksPerStage;
   };
 
-  if (wg == Cfg::kNumMathWG) {
+  if (wg >= Cfg::kNumMathWG) {
     if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     if constexpr (Cfg::kAsyncEpilogue) {
-      if (tid >= 32) {
+      // Thread index within the producer's warpgroup(s): 0 the producer, 32.. the epilogue.
+      const int ptid = static_cast<int>(threadIdx.x) - Cfg::kNumMathWG * Cfg::kWarpgroupThreads;
+      if (ptid >= 32) {
         // ============================ epilogue warps ============================
         // The same tile sequence as the math warpgroups; per tile and math warpgroup w: wait
         // until w has staged its blocks, finish them, and hand the staging area back (only when
         // w has another tile, so every arrival is matched by a sync).
-        const int etid = tid - 32;
+        const int etid = ptid - 32;
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
           const TileInfo tile = sched.get(t);
           const bool has_next = t + static_cast<int>(gridDim.x) < num_tiles;

@@ -353,6 +353,12 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     case GemmTile::kPrefillAsyncK2N64:
       launch_k_multiple<PrefillAsyncK2N64Config, kKind>(p, b_rows, stream);
       return;
+    case GemmTile::kPrefillAsyncK2N96E2:
+      launch_k_multiple<PrefillAsyncK2N96E2Config, kKind>(p, b_rows, stream);
+      return;
+    case GemmTile::kPrefillWideAsyncE2:
+      launch_config<PrefillWideAsyncE2Config, kKind>(p, b_rows, stream);
+      return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
     case GemmTile::kAutoSerial:

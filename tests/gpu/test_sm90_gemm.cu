@@ -534,11 +534,14 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
 constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
-                                          sm90::GemmTile::kPrefillAsyncK2};
+                                          sm90::GemmTile::kPrefillAsyncK2,
+                                          sm90::GemmTile::kPrefillAsyncK2N96E2,
+                                          sm90::GemmTile::kPrefillWideAsyncE2};
 
 // Tiles without a one-k-block twin: K must be a multiple of 128.
 bool needs_k_multiple_of_128(sm90::GemmTile tile) {
-  return tile == sm90::GemmTile::kPrefillAsyncK2N96 || tile == sm90::GemmTile::kPrefillAsyncK2N64;
+  return tile == sm90::GemmTile::kPrefillAsyncK2N96 || tile == sm90::GemmTile::kPrefillAsyncK2N64 ||
+         tile == sm90::GemmTile::kPrefillAsyncK2N96E2;
 }
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
@@ -700,7 +703,9 @@ TEST(ReliabilitySanitize, PrefillAsyncNarrowTiles) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 200, 3, 130, 97}, true, 19);
   for (const sm90::GemmTile tile : {sm90::GemmTile::kPrefillAsyncK2N96,
-                                    sm90::GemmTile::kPrefillAsyncK2N64}) {
+                                    sm90::GemmTile::kPrefillAsyncK2N64,
+                                    sm90::GemmTile::kPrefillAsyncK2N96E2,
+                                    sm90::GemmTile::kPrefillWideAsyncE2}) {
     run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, true, tile);
     run_l2_case(p, p.rows, true, tile);
   }
@@ -949,6 +954,8 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillWideAsync);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N64);
+        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2);
+        variants.push_back(sm90::GemmTile::kPrefillWideAsyncE2);
       }
       // Split-K (T <= 8): the 128-row split tile forced with 1..kMaxKSplits K parts.
       // Modes (kAuto only; every other row is mode 0):
