@@ -315,8 +315,9 @@ using PrefillAsyncK2Config = GemmConfig<2, 2, 128, 16, 2, 1, true, true, 2, true
 using PrefillAsyncK2TwinConfig = GemmConfig<2, 2, 128, 16, 5, 1, true, true, 1, true>;
 using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, true>;
 //   PrefillAsyncK2N96 / PrefillAsyncK2N64: PrefillAsyncK2 with at most 96 / 64 token rows per
-//            tile, kAuto's tiles for experts averaging 41-80 / 13-40 rows when K is a multiple of
-//            128 (no one-k-block twin; the launcher's check). In that range PrefillK2 runs wgmma
+//            tile, kAuto's tiles for experts averaging 41-80 (since v13 as PrefillAsyncK2N96E2,
+//            below) / 13-40 rows when K is a multiple of 128 (no one-k-block twin; the
+//            launcher's check). In that range PrefillK2 runs wgmma
 //            N <= 96 anyway; the smaller B stage leaves room for the asynchronous epilogue's
 //            staging with 3 / 5 stages, where the 128-row version keeps 2.
 //            NOTES: the non-asynchronous 256 x 96 tile with 4 stages (tile 33) was no faster than
@@ -333,14 +334,20 @@ using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, tr
 //            latency hiding alone.
 using PrefillAsyncK2N96Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true>;
 using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, true>;
-//   PrefillAsyncK2N96E2 / PrefillWideAsyncE2 (candidates): tiles 34 / 28 with a second
-//            epilogue warpgroup (7 epilogue warps instead of 3, one or two on every scheduler;
-//            math warps at 168 registers).
+//   PrefillAsyncK2N96E2: PrefillAsyncK2N96 with a second epilogue warpgroup (7 epilogue warps
+//            instead of 3, one or two on every scheduler; math warps at 168 registers, ~152
+//            used): kAuto's tile at 41-80 rows per expert (src/moe/sm90_gemm.cu), 1.05-1.06x
+//            over PrefillAsyncK2N96 at Kimi-K3 T = 4096 (H200, a275c59). ptxas: 8 bytes of spill
+//            in L2, outside the K loop (a word kept across setmaxnreg, and one in the bias path
+//            of the staging).
 //            NOTES: why: with the epilogue warps skipping their work (-DMEGAMOE_DIAG_EPILOGUE_FREE=1)
 //            Kimi-K3 T = 4096 L1 ran 1.15-1.17x faster on tile 34, T = 8192 1.06-1.10x on tile 28,
 //            L2 and DeepSeek-V3 1.00-1.04x (H200, e821cc9, bench/results/gemm_bench_e821cc9_diag*):
 //            SiTU's two accurate tanh per element on three warps bound the L1 tile.
+//            NOTES (rejected): PrefillWideAsync with the second epilogue warpgroup (24 bytes of
+//            spill in L2): 0.99-1.02x where kAuto takes PrefillWideAsync (Kimi-K3 T = 8192,
+//            DeepSeek-V3 T = 4096; a275c59), whose longer K loop per tile leaves the three
+//            epilogue warps enough time.
 using PrefillAsyncK2N96E2Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true, false, 2>;
-using PrefillWideAsyncE2Config = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, true, false, 2>;
 
 }  // namespace megamoe::sm90

@@ -101,6 +101,11 @@ constexpr int64_t kWideMaxAvgRows = 166;
 // (73 rows) L1 1.06x, L2 1.04x; DeepSeek-V3 T = 512 (16 rows) L1 1.14x, L2 1.06x.
 // NOTES: 80 leaves the largest expert of uniform routing within 96 rows (~1.8 sigma at 80);
 // above it experts start to need a second n-tile, which costs a whole K loop of conversion.
+// Since v13 the tile runs with a second epilogue warpgroup (PrefillAsyncK2N96E2: 7 epilogue warps
+// instead of 3): against PrefillAsyncK2N96, forced, two runs in one call (H200, a275c59,
+// bench/results/gemm_bench_a275c59_*.txt), Kimi-K3 T = 4096 L1 390 / 389 against 369 / 368
+// TFLOP/s (1.06x), L2 425 / 419 against 401 / 399 (1.05x); DeepSeek-V3 T = 2048 (64 rows) L1
+// 1.01x, L2 1.04x; Kimi-K3 T = 2048 (37 rows, where kAuto takes the 64-row tile) 0.98x / 1.02x.
 constexpr int64_t kAsyncN96MaxAvgRows = 80;
 // At or below 40 average rows the 256 x 64 version (PrefillAsyncK2N64, 5 stages): against the
 // 96-row one (H200, dd2ab35, bench/results/gemm_bench_dd2ab35.txt) Kimi-K3 T = 1024 (18 rows) L1
@@ -284,8 +289,8 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
       tile = GemmTile::kPrefillWideAsync;
     } else if (overlap && avg <= kAsyncN64MaxAvgRows && k_fits_stages<PrefillAsyncK2N64Config>(p.k)) {
       tile = GemmTile::kPrefillAsyncK2N64;
-    } else if (overlap && avg <= kAsyncN96MaxAvgRows && k_fits_stages<PrefillAsyncK2N96Config>(p.k)) {
-      tile = GemmTile::kPrefillAsyncK2N96;
+    } else if (overlap && avg <= kAsyncN96MaxAvgRows && k_fits_stages<PrefillAsyncK2N96E2Config>(p.k)) {
+      tile = GemmTile::kPrefillAsyncK2N96E2;
     } else if (overlap) {
       tile = GemmTile::kPrefillK2;
     } else {
@@ -355,9 +360,6 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
       return;
     case GemmTile::kPrefillAsyncK2N96E2:
       launch_k_multiple<PrefillAsyncK2N96E2Config, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillWideAsyncE2:
-      launch_config<PrefillWideAsyncE2Config, kKind>(p, b_rows, stream);
       return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:

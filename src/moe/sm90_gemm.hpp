@@ -83,8 +83,10 @@ enum class GemmTile : int {
   kPrefillAsyncK2N64 = 35,   // kPrefillAsyncK2 with at most 64 token rows, 5 stages (the same)
   // 36 and 37 were three-math-warpgroup tiles with the asynchronous epilogue (192 x 96 and
   // 192 x 128), removed: no faster than 34 or 28 (H200, 550f76a).
-  kPrefillAsyncK2N96E2 = 38, // kPrefillAsyncK2N96 with 7 epilogue warps (candidate; K % 128 == 0)
-  kPrefillWideAsyncE2 = 39,  // kPrefillWideAsync with 7 epilogue warps (candidate)
+  kPrefillAsyncK2N96E2 = 38, // kPrefillAsyncK2N96 with a second epilogue warpgroup (7 epilogue
+                             // warps; kAuto's tile at 41-80 rows; K % 128 == 0)
+  // 39 was kPrefillWideAsync with the second epilogue warpgroup, removed: 0.99-1.02x (H200,
+  // a275c59).
   // 32 was a 64 x 8 tile with two k-blocks per stage (candidate), removed: 1.08-1.20x slower
   // than 30 at T = 1 and 8 (H200, dddf285).
   // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:

@@ -525,8 +525,8 @@ constexpr sm90::GemmTile kDefaultTiles[] = {
     sm90::GemmTile::kDecode16X2Overlap,   // kDecode16X2K2's twin when K % 128 != 0
     sm90::GemmTile::kDecode16X2Overlap3,  // kDecode16X2K2x3's twin
     sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillWideAsync,
-    sm90::GemmTile::kPrefillAsyncK2N96,  // (K % 128 != 0: rejected; kAuto takes kPrefillK2 there)
-    sm90::GemmTile::kPrefillAsyncK2N64,  // (the same)
+    sm90::GemmTile::kPrefillAsyncK2N96E2,  // (K % 128 != 0: rejected; kAuto takes kPrefillK2 there)
+    sm90::GemmTile::kPrefillAsyncK2N64,    // (the same)
     sm90::GemmTile::kPrefillStaged,  // kPrefillK2's twin when K % 128 != 0
     sm90::GemmTile::kPrefillWideStaged,
     sm90::GemmTile::kPrefillOverlap, sm90::GemmTile::kPrefillWideOverlap,  // kAuto's before v6
@@ -535,8 +535,7 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N96E2,
-                                          sm90::GemmTile::kPrefillWideAsyncE2};
+                                          sm90::GemmTile::kPrefillAsyncK2N96};
 
 // Tiles without a one-k-block twin: K must be a multiple of 128.
 bool needs_k_multiple_of_128(sm90::GemmTile tile) {
@@ -704,8 +703,7 @@ TEST(ReliabilitySanitize, PrefillAsyncNarrowTiles) {
   const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 200, 3, 130, 97}, true, 19);
   for (const sm90::GemmTile tile : {sm90::GemmTile::kPrefillAsyncK2N96,
                                     sm90::GemmTile::kPrefillAsyncK2N64,
-                                    sm90::GemmTile::kPrefillAsyncK2N96E2,
-                                    sm90::GemmTile::kPrefillWideAsyncE2}) {
+                                    sm90::GemmTile::kPrefillAsyncK2N96E2}) {
     run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, true, tile);
     run_l2_case(p, p.rows, true, tile);
   }
@@ -955,7 +953,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N64);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2);
-        variants.push_back(sm90::GemmTile::kPrefillWideAsyncE2);
       }
       // Split-K (T <= 8): the 128-row split tile forced with 1..kMaxKSplits K parts.
       // Modes (kAuto only; every other row is mode 0):
