@@ -181,15 +181,10 @@ __device__ __forceinline__ void stage_l1_block(const GemmParams& p, const TileIn
                                              stage, tid);
 }
 
-// Step 2 by kThreads threads (tid in [0, kThreads), whole warps). kFastMath: p.fast_math fixed at
-// compile time (0 / 1; -1: read at run time).
-// NOTES: why a compile-time fast_math for the asynchronous epilogue: read at run time, every
-// element's exp and reciprocal sat behind a branch (and a reconvergence barrier), which split the
-// activation into small blocks that ptxas could not interleave across the 8 elements.
-template <class Cfg, ActivationKind kKind, int kThreads, int kFastMath = -1>
+// Step 2 by kThreads threads (tid in [0, kThreads), whole warps).
+template <class Cfg, ActivationKind kKind, int kThreads>
 __device__ __forceinline__ void finish_l1_block(const GemmParams& p, const TileInfo& tile, int mblk,
                                                 const uint16_t* stage, int tid) {
-  const bool fast_math = kFastMath < 0 ? p.fast_math : kFastMath == 1;
   constexpr int kPitch = Cfg::kStagePitch;
   constexpr int kChunk = 8;                                     // channels per thread
   constexpr int kThreadsPerCol = kChannelsPerGroup / kChunk;    // 4
@@ -214,7 +209,7 @@ __device__ __forceinline__ void finish_l1_block(const GemmParams& p, const TileI
     for (int e = 0; e < kChunk; ++e) {
       const float gate = bf16_to_f32(static_cast<uint16_t>(gate_words[e / 2] >> (16 * (e % 2))));
       const float up = bf16_to_f32(static_cast<uint16_t>(up_words[e / 2] >> (16 * (e % 2))));
-      v[e] = apply_activation(act, gate, up, fast_math) * rw;
+      v[e] = apply_activation(act, gate, up, p.fast_math) * rw;
     }
     // fmaxf over the group's 32 |v| (NaN ignored unless all are NaN, as in epilogue_l1).
     float amax = fabsf(v[0]);

@@ -265,25 +265,16 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
               const int mblk = tile.m_block0 + lm;
               const uint16_t* blk = smem_stage + static_cast<size_t>(lm) * Cfg::kBlockN * Cfg::kStagePitch;
               if constexpr (kKind == GemmKind::kL1) {
-                auto finish = [&](auto fast_tag) {
-                  constexpr int kFast = decltype(fast_tag)::value;
-                  constexpr int kT = Cfg::kEpilogueThreads;
-                  switch (p.activation.kind) {
-                    case ActivationKind::kSwiglu:
-                      finish_l1_block<Cfg, ActivationKind::kSwiglu, kT, kFast>(p, tile, mblk, blk, etid);
-                      break;
-                    case ActivationKind::kSitu:
-                      finish_l1_block<Cfg, ActivationKind::kSitu, kT, kFast>(p, tile, mblk, blk, etid);
-                      break;
-                    case ActivationKind::kSwigluOai:
-                      finish_l1_block<Cfg, ActivationKind::kSwigluOai, kT, kFast>(p, tile, mblk, blk, etid);
-                      break;
-                  }
-                };
-                if (p.fast_math) {
-                  finish(std::integral_constant<int, 1>{});
-                } else {
-                  finish(std::integral_constant<int, 0>{});
+                switch (p.activation.kind) {
+                  case ActivationKind::kSwiglu:
+                    finish_l1_block<Cfg, ActivationKind::kSwiglu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                    break;
+                  case ActivationKind::kSitu:
+                    finish_l1_block<Cfg, ActivationKind::kSitu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                    break;
+                  case ActivationKind::kSwigluOai:
+                    finish_l1_block<Cfg, ActivationKind::kSwigluOai, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                    break;
                 }
               } else {
                 finish_l2_block<Cfg, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
