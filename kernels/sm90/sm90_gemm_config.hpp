@@ -349,11 +349,5 @@ using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, tr
 //            DeepSeek-V3 T = 4096; a275c59), whose longer K loop per tile leaves the three
 //            epilogue warps enough time.
 using PrefillAsyncK2N96E2Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true, false, 2>;
-//   Candidates (v13): PrefillAsyncK2N96E2 with 4 stages (~196 KiB at 1024 experts);
-//            PrefillWideAsync with two k-blocks per stage (2 stages); PrefillAsyncK2N64 with the
-//            second epilogue warpgroup.
-using PrefillAsyncK2N96E2S4Config = GemmConfig<2, 2, 96, 16, 4, 1, true, true, 2, true, false, 2>;
-using PrefillWideAsyncK2Config = GemmConfig<2, 1, 192, 16, 2, 1, true, true, 2, true>;
-using PrefillAsyncK2N64E2Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, true, false, 2>;
 
 }  // namespace megamoe::sm90

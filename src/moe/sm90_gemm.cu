@@ -361,15 +361,6 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     case GemmTile::kPrefillAsyncK2N96E2:
       launch_k_multiple<PrefillAsyncK2N96E2Config, kKind>(p, b_rows, stream);
       return;
-    case GemmTile::kPrefillAsyncK2N96E2S4:
-      launch_k_multiple<PrefillAsyncK2N96E2S4Config, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillWideAsyncK2:
-      launch_k_multiple<PrefillWideAsyncK2Config, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillAsyncK2N64E2:
-      launch_k_multiple<PrefillAsyncK2N64E2Config, kKind>(p, b_rows, stream);
-      return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
     case GemmTile::kAutoSerial:

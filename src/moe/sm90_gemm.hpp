@@ -87,9 +87,6 @@ enum class GemmTile : int {
                              // warps; kAuto's tile at 41-80 rows; K % 128 == 0)
   // 39 was kPrefillWideAsync with the second epilogue warpgroup, removed: 0.99-1.02x (H200,
   // a275c59).
-  kPrefillAsyncK2N96E2S4 = 40,  // kPrefillAsyncK2N96E2 with 4 stages (candidate; K % 128 == 0)
-  kPrefillWideAsyncK2 = 41,     // kPrefillWideAsync with two k-blocks per stage, 2 stages (the same)
-  kPrefillAsyncK2N64E2 = 42,    // kPrefillAsyncK2N64 with 7 epilogue warps (the same)
   // 32 was a 64 x 8 tile with two k-blocks per stage (candidate), removed: 1.08-1.20x slower
   // than 30 at T = 1 and 8 (H200, dddf285).
   // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:

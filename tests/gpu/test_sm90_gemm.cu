@@ -535,16 +535,12 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N96,
-                                          sm90::GemmTile::kPrefillAsyncK2N96E2S4,
-                                          sm90::GemmTile::kPrefillWideAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N64E2};
+                                          sm90::GemmTile::kPrefillAsyncK2N96};
 
 // Tiles without a one-k-block twin: K must be a multiple of 128.
 bool needs_k_multiple_of_128(sm90::GemmTile tile) {
   return tile == sm90::GemmTile::kPrefillAsyncK2N96 || tile == sm90::GemmTile::kPrefillAsyncK2N64 ||
-         tile == sm90::GemmTile::kPrefillAsyncK2N96E2 || tile == sm90::GemmTile::kPrefillAsyncK2N96E2S4 ||
-         tile == sm90::GemmTile::kPrefillWideAsyncK2 || tile == sm90::GemmTile::kPrefillAsyncK2N64E2;
+         tile == sm90::GemmTile::kPrefillAsyncK2N96E2;
 }
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
@@ -957,9 +953,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N64);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2);
-        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2S4);
-        variants.push_back(sm90::GemmTile::kPrefillWideAsyncK2);
-        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N64E2);
       }
       // Split-K (T <= 8): the 128-row split tile forced with 1..kMaxKSplits K parts.
       // Modes (kAuto only; every other row is mode 0):
