@@ -348,6 +348,11 @@ using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, tr
 //            spill in L2): 0.99-1.02x where kAuto takes PrefillWideAsync (Kimi-K3 T = 8192,
 //            DeepSeek-V3 T = 4096; a275c59), whose longer K loop per tile leaves the three
 //            epilogue warps enough time.
+//            NOTES (rejected): a fourth stage does not fit (235592 bytes at 1024 experts, the
+//            device allows 232448). PrefillWideAsync with two k-blocks per stage (2 stages fit):
+//            0.93x at DeepSeek-V3 T = 4096 L1, 0.94x L2, 0.96x at Kimi-K3 T = 8192 L1. The 256 x 64
+//            tile with the second epilogue warpgroup: 1.00-1.02x at its rows (13-40), L2 0.89x at
+//            Kimi-K3 T = 2048 (H200, 0a483df, bench/results/gemm_bench_0a483df_*.txt).
 using PrefillAsyncK2N96E2Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true, false, 2>;
 
 }  // namespace megamoe::sm90

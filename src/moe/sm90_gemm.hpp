@@ -86,7 +86,8 @@ enum class GemmTile : int {
   kPrefillAsyncK2N96E2 = 38, // kPrefillAsyncK2N96 with a second epilogue warpgroup (7 epilogue
                              // warps; kAuto's tile at 41-80 rows; K % 128 == 0)
   // 39 was kPrefillWideAsync with the second epilogue warpgroup, removed: 0.99-1.02x (H200,
-  // a275c59).
+  // a275c59). 41 (kPrefillWideAsync with two k-blocks per stage) and 42 (kPrefillAsyncK2N64 with
+  // the second epilogue warpgroup) were candidates, removed: slower or no faster (H200, 0a483df).
   // 32 was a 64 x 8 tile with two k-blocks per stage (candidate), removed: 1.08-1.20x slower
   // than 30 at T = 1 and 8 (H200, dddf285).
   // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:
