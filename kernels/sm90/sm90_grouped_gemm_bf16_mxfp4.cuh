@@ -6,14 +6,16 @@
 // Swap A/B: the weights are wgmma's A (M side, converted to BF16 in registers), the routed token
 // rows are B (N side, shared memory via TMA). One persistent CTA per SM slot walks the tiles
 // (expert, m-tile, n-tile) of the device-built schedule. Warp roles (one kernel, branches):
-//   producer warpgroup (last): thread 0 issues, per stage of S k-blocks (Cfg::kKBlocksPerStage),
+//   producer warpgroup(s) (last; Cfg::kEpilogueWG of them): thread 0 issues, per stage of S
+//                             k-blocks (Cfg::kKBlocksPerStage),
 //                             one 1D bulk copy per 64-row weight block (S x 2 KiB), one per scale
 //                             block (S x 128 B) and S 2D TMA boxes of B rows;
 //   math warpgroups:          convert + wgmma (sm90_gemm_mainloop.cuh), then the epilogue of
 //                             the GEMM kind (sm90_gemm_epilogue.cuh); with Cfg::kAsyncEpilogue
 //                             only its first half (results staged in shared memory), the
-//                             producer warpgroup's warps 1..3 doing the rest while the math
-//                             warpgroups run the next tile.
+//                             producer warpgroup's other warps (3, or 7 with a second
+//                             warpgroup) doing the rest while the math warpgroups run the next
+//                             tile.
 // Stages are guarded by full (TMA transaction bytes) and empty (one arrive per math thread)
 // mbarriers.
 #pragma once
