@@ -856,6 +856,14 @@ static bool bench_tile_selected(sm90::GemmTile tile) {
          std::find(tiles.begin(), tiles.end(), static_cast<long>(tile)) != tiles.end();
 }
 
+// MEGAMOE_BENCH_ORDER=reverse times each point's rows last to first. Rows timed later in a call
+// read slower (clocks under sustained load: docs/perf.md, tuning log v12), so an A/B of two tiles
+// runs the benchmark once in each order and compares the means.
+static bool bench_reverse_order() {
+  const char* v = std::getenv("MEGAMOE_BENCH_ORDER");
+  return v != nullptr && std::string(v) == "reverse";
+}
+
 TEST(Sm90GemmBench, DISABLED_Shapes) {
   SKIP_WITHOUT_SM90();
   const auto& dev = cuda::device_info();
@@ -973,6 +981,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         for (int parts = 1; parts <= sm90::kMaxKSplits; ++parts)
           runs.push_back({sm90::GemmTile::kDecode16X2K2Split, parts, 0});
       }
+      if (bench_reverse_order()) std::reverse(runs.begin(), runs.end());
       // (The forced splits get a workspace for every tile of these launches; the layer's covers
       // only what kAuto splits.)
       for (const auto& [tile, parts, mode] : runs)
