@@ -202,20 +202,8 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_row_addr, uint32
                ::"r"(smem_row_addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
-__device__ __forceinline__ uint4 ld_shared_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(smem_addr(p)));
-  return v;
-}
-__device__ __forceinline__ uint32_t ld_shared_u32(const void* p) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)));
-  return v;
-}
-// The same loads at a shared-window address (smem_addr): the mainloop keeps its per-thread
-// offsets as such addresses and adds only compile-time and stage offsets per load.
+// Loads at a shared-window address (smem_addr): the mainloop keeps its per-thread offsets as
+// such addresses and adds only compile-time and stage offsets per load.
 __device__ __forceinline__ uint4 ld_shared_v4_at(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -227,6 +215,10 @@ __device__ __forceinline__ uint32_t ld_shared_u32_at(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
+}
+__device__ __forceinline__ uint4 ld_shared_v4(const void* p) { return ld_shared_v4_at(smem_addr(p)); }
+__device__ __forceinline__ uint32_t ld_shared_u32(const void* p) {
+  return ld_shared_u32_at(smem_addr(p));
 }
 
 // The value of x, hidden from the optimizer (a volatile move is never hoisted out of a loop):

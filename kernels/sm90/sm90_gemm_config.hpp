@@ -127,9 +127,10 @@ struct GemmConfig {
   // producer is a whole warpgroup; without it (decode: several CTAs per SM) one warp.
   // kAsyncEpilogue: the producer warpgroup's warps 1..3 run the epilogue (below) and keep more
   // registers. The pool is the launch allocation (168 x 384: the math warpgroups can only grow
-  // by what the producer warpgroup gives back): 2 x 128 x (208 - 168) <= 128 x (168 - 88). With
-  // a second epilogue warpgroup (kEpilogueWG = 2: 7 epilogue warps, 128 x 512 at launch):
-  // 2 x 128 x (168 - 128) <= 2 x 128 x (128 - 88).
+  // by what the producer warpgroup gives back), and kMathRegs is all of it: 168 + 128 x
+  // (168 - 88) / (2 x 128) = 208 (232 with a 40-register producer). With a second epilogue
+  // warpgroup (kEpilogueWG = 2: 7 epilogue warps, 128 x 512 at launch): 128 + 2 x 128 x
+  // (128 - 88) / (2 x 128) = 168.
   static constexpr bool kUseSetMaxNReg = kMinBlocksPerSM == 1 && kNumMathWG >= 2;
   static constexpr int kProducerThreads = kUseSetMaxNReg ? kWarpgroupThreads * kEpilogueWG : 32;
   static constexpr int kThreads = kWarpgroupThreads * kNumMathWG + kProducerThreads;
@@ -141,9 +142,12 @@ struct GemmConfig {
   static constexpr int kBarStageFree = kBarStaged + 1;
   static constexpr int kStageSyncThreads = kWarpgroupThreads + kEpilogueThreads;
   static constexpr int kProducerRegs = kAsyncEpilogue ? 88 : 40;
-  static constexpr int kMathRegs = kAsyncEpilogue ? (kEpilogueWG == 2 ? 168 : 208) : 232;
   // The launch allocation per thread (65536 registers over the CTA, in units of 8).
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  // What the math warpgroups take (setmaxnreg configs): the launch allocation plus their share
+  // of what the producer warpgroup(s) give back, in units of 8.
+  static constexpr int kMathRegs =
+      (kLaunchRegs + kEpilogueWG * (kLaunchRegs - kProducerRegs) / kNumMathWG) / 8 * 8;
 
   // Shared memory per stage: B as kKBlocksPerStage boxes of [BLOCK_N rows][64 bf16] (128B-swizzled,
   // kSmemBBoxBytes each); A and SF per weight block m, k-block j of the stage at
@@ -317,9 +321,9 @@ using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, tr
 //   PrefillAsyncK2N96 / PrefillAsyncK2N64: PrefillAsyncK2 with at most 96 / 64 token rows per
 //            tile, kAuto's tiles for experts averaging 41-80 (since v13 as PrefillAsyncK2N96E2,
 //            below) / 13-40 rows when K is a multiple of 128 (no one-k-block twin; the
-//            launcher's check). In that range PrefillK2 runs wgmma
-//            N <= 96 anyway; the smaller B stage leaves room for the asynchronous epilogue's
-//            staging with 3 / 5 stages, where the 128-row version keeps 2.
+//            launcher's check). In that range PrefillK2 runs wgmma N <= 96 anyway; the smaller
+//            B stage leaves room for the asynchronous epilogue's staging with 3 / 5 stages,
+//            where the 128-row version keeps 2.
 //            NOTES: the non-asynchronous 256 x 96 tile with 4 stages (tile 33) was no faster than
 //            PrefillK2 (Kimi-K3 T = 4096 L1 8429 against 8305 us; H200, 3f7d1ed): removed. The
 //            asynchronous epilogue, not the stage count, is the gain.

@@ -160,6 +160,11 @@ struct Mainloop {
     return {ptx::smem_addr(smem_a) + lm0 * sm90_layout::kBlockBytes + tid * sm90_layout::kThreadBytes,
             ptx::smem_addr(smem_sf) + lm0 * sm90_layout::kSfBlockBytes + (warp * 8 + g) * 4};
   }
+  // The same addresses in pipeline stage `stage`.
+  __device__ __forceinline__ static ThreadAddrs at_stage(ThreadAddrs addrs, int stage) {
+    return {addrs.a + static_cast<uint32_t>(stage * Cfg::kSmemABytes),
+            addrs.sf + static_cast<uint32_t>(stage * Cfg::kSmemSfBytes)};
+  }
   // Offsets of the warpgroup's weight block `sub`, k-block `j` of a stage (the order of the
   // global layout: block-major, then k-block).
   static constexpr uint32_t a_offset(int sub, int j) {
@@ -267,8 +272,7 @@ struct Mainloop {
         0xFFFFFFFFu, ptx::smem_desc_k128b_lo(smem_b + stage * Cfg::kSmemBBytes), 0);
     const int next_stage = stage + 1 == Cfg::kNumStages ? 0 : stage + 1;
     const uint32_t next_phase = stage + 1 == Cfg::kNumStages ? phase ^ 1u : phase;
-    const uint32_t a_stage = addrs.a + static_cast<uint32_t>(stage * Cfg::kSmemABytes);
-    const uint32_t sf_stage = addrs.sf + static_cast<uint32_t>(stage * Cfg::kSmemSfBytes);
+    const ThreadAddrs here = at_stage(addrs, stage);
 #pragma unroll
     for (int j = 0; j < kKSub; ++j) {
       // Low descriptor words (the start address field; the stage base is 1024-aligned, so the
@@ -293,16 +297,15 @@ struct Mainloop {
         }
         ptx::wgmma_commit();
         if (sub + 1 < kMBlocksPerWG) {
-          load_convert_block(a_stage + a_offset(sub + 1, j), sf_stage + sf_offset(sub + 1, j),
+          load_convert_block(here.a + a_offset(sub + 1, j), here.sf + sf_offset(sub + 1, j),
                              frags[nxt]);
         } else if (j + 1 < kKSub) {
-          load_convert_block(a_stage + a_offset(0, j + 1), sf_stage + sf_offset(0, j + 1),
+          load_convert_block(here.a + a_offset(0, j + 1), here.sf + sf_offset(0, j + 1),
                              frags[nxt]);
         } else if (has_next_stage) {  // uniform over the warpgroup
           ptx::mbar_wait(&full_bars[next_stage], next_phase);
-          load_convert_block(addrs.a + static_cast<uint32_t>(next_stage * Cfg::kSmemABytes),
-                             addrs.sf + static_cast<uint32_t>(next_stage * Cfg::kSmemSfBytes),
-                             frags[nxt]);
+          const ThreadAddrs next = at_stage(addrs, next_stage);
+          load_convert_block(next.a, next.sf, frags[nxt]);
         }
         ptx::wgmma_wait<0>();
         if constexpr (kCopySets) {
@@ -345,8 +348,8 @@ struct Mainloop {
     const ThreadAddrs addrs = thread_addrs(smem_a, smem_sf, wg, tid);
     BlockFrags frags[2];
     ptx::mbar_wait(&full_bars[stage], phase);
-    load_convert_block(addrs.a + static_cast<uint32_t>(stage * Cfg::kSmemABytes),
-                       addrs.sf + static_cast<uint32_t>(stage * Cfg::kSmemSfBytes), frags[0]);
+    const ThreadAddrs first = at_stage(addrs, stage);
+    load_convert_block(first.a, first.sf, frags[0]);
     auto advance = [&] {
       if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
     };
