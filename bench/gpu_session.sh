@@ -12,6 +12,7 @@
 #               start, since its Python is not this machine's), with faulthandler on, after the
 #               crash reproduction of issue 6
 #   gemmbench   the grouped-GEMM benchmark of every tile config (Sm90GemmBench.*)
+#   readbench   what one launch reads at the decode GEMMs' weight sizes (Sm90ReadCeilingBench.*)
 #   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3, default and opt-in tiles
 #               (LAYERBENCH_SERIAL=1: also the serial tiles; LAYERBENCH_NOPDL=1: also plain launches)
 #   ncu         Nsight Compute on the GEMMs of `megamoe bench` (NCU_RUNS, NCU_FULL)
@@ -129,6 +130,13 @@ for step in $STEPS; do
     echo "exit $?" >>"$LOGS/gemm_bench.log"
     grep -E "bench|copy|^exit|FAILED" "$LOGS/gemm_bench.log" >>"$OUT/gemm_bench.txt"
     tail -3 "$LOGS/gemm_bench.log" >>"$LOG" ;;
+  readbench)
+    say "read ceiling by size (Sm90ReadCeilingBench.*)"
+    timeout "${READBENCH_SECONDS:-150}" "$TESTS" --gtest_also_run_disabled_tests --gtest_filter='Sm90ReadCeilingBench.*' \
+      >"$LOGS/read_ceiling.log" 2>&1
+    echo "exit $?" >>"$LOGS/read_ceiling.log"
+    grep -E "^\[read\]|^exit|FAILED" "$LOGS/read_ceiling.log" >>"$OUT/read_ceiling.txt"
+    tail -3 "$LOGS/read_ceiling.log" >>"$LOG" ;;
   layerbench)
     say "layer benchmark (default tiles, then MEGAMOE_SM90_GEMM_OVERLAP=0)"
     timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 --git-rev "$(cat REVISION 2>/dev/null || echo unknown)" \

@@ -201,4 +201,48 @@ class StreamGraph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
+// Time per launch of a graph of `launches` launches, as the benchmark protocol of targets.md asks
+// (CUDA events around many launches after warm-up): each of `samples` samples brackets `reps`
+// replays (about 2 ms of work, at most 16) enqueued behind one untimed replay, so the GPU is busy
+// from the start event on and the host's graph submission is not inside the events. single: the
+// timing of the GEMM benchmark before v14, events around one replay submitted to an idle GPU.
+struct GraphTiming {
+  double median_us = 0, min_us = 0, single_median_us = 0;
+  int reps = 0;
+};
+inline GraphTiming time_graph_launches(const StreamGraph& graph, cudaStream_t stream, int launches,
+                                       int samples) {
+  cudaEvent_t e0, e1;
+  MEGAMOE_CUDA_CHECK(cudaEventCreate(&e0));
+  MEGAMOE_CUDA_CHECK(cudaEventCreate(&e1));
+  auto median = [](std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+  std::vector<float> single(static_cast<size_t>(samples)), ms(static_cast<size_t>(samples));
+  for (auto& t : single) {
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(e0, stream));
+    graph.launch(stream);
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(e1, stream));
+    MEGAMOE_CUDA_CHECK(cudaEventSynchronize(e1));
+    MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+  }
+  GraphTiming out;
+  const double replay_ms = median(single);
+  out.reps = std::clamp(static_cast<int>(std::ceil(2.0 / std::max(replay_ms, 1e-3))), 1, 16);
+  for (auto& t : ms) {
+    graph.launch(stream);  // untimed: the GPU is busy when e0 is taken
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(e0, stream));
+    for (int r = 0; r < out.reps; ++r) graph.launch(stream);
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(e1, stream));
+    MEGAMOE_CUDA_CHECK(cudaEventSynchronize(e1));
+    MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    t /= static_cast<float>(out.reps);
+  }
+  MEGAMOE_CUDA_CHECK(cudaEventDestroy(e0));
+  MEGAMOE_CUDA_CHECK(cudaEventDestroy(e1));
+  const double per = 1e3 / launches;  // ms per replay -> us per launch
+  out.median_us = median(ms) * per;
+  out.min_us = *std::min_element(ms.begin(), ms.end()) * per;
+  out.single_median_us = replay_ms * per;
+  return out;
+}
+
 }  // namespace megamoe::test
