@@ -85,6 +85,8 @@ enum class GemmTile : int {
   // 192 x 128), removed: no faster than 34 or 28 (H200, 550f76a).
   kPrefillAsyncK2N96E2 = 38, // kPrefillAsyncK2N96 with a second epilogue warpgroup (7 epilogue
                              // warps; kAuto's tile at 41-80 rows; K % 128 == 0)
+  kDecode8X2K2P = 43,        // kDecode8X2K2 with the paired issue (both weight blocks' wgmmas
+                             // per k-block in flight together; candidate; K % 128 == 0)
   // 39 was kPrefillWideAsync with the second epilogue warpgroup, removed: 0.99-1.02x (H200,
   // a275c59). 41 (kPrefillWideAsync with two k-blocks per stage) and 42 (kPrefillAsyncK2N64 with
   // the second epilogue warpgroup) were candidates, removed: slower or no faster (H200, 0a483df).
