@@ -101,14 +101,8 @@ MEGAMOE_HD bool gate_admits(const GemmParams& p, int64_t rows, int hits) {
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
           int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false, bool kSplitK_ = false,
-          int kEpilogueWG_ = 1, bool kPairedIssue_ = false>
+          int kEpilogueWG_ = 1>
 struct GemmConfig {
-  // kPairedIssue (overlapped mainloop, an even number of k-blocks per stage): per k-block the
-  // wgmmas of all the warpgroup's weight blocks are issued together (k16 step outer, block
-  // inner: their independent accumulator chains in flight at once), then the next k-block's
-  // blocks are converted, then one wait_group 0; otherwise one weight block at a time
-  // (sm90_gemm_mainloop.cuh, paired_stage). Two register sets of every block's fragments.
-  static constexpr bool kPairedIssue = kPairedIssue_;
   static constexpr bool kOverlapConvert = kOverlapConvert_;
   static constexpr bool kAsyncEpilogue = kAsyncEpilogue_;
   // Warpgroups beside the math ones (setmaxnreg configs): the producer's, and with
@@ -213,8 +207,6 @@ struct GemmConfig {
                 "several k-blocks per stage: overlapped mainloop only");
   static_assert(kEpilogueWG == 1 || (kEpilogueWG == 2 && kAsyncEpilogue),
                 "a second epilogue warpgroup: asynchronous epilogue only");
-  static_assert(!kPairedIssue || (kOverlapConvert && kKBlocksPerStage % 2 == 0),
-                "paired issue: overlapped mainloop, an even number of k-blocks per stage");
   static_assert(!kSplitK_ || (kNumMathWG == 1 && !kAsyncEpilogue),
                 "split-K: one math warpgroup owns the tile");
   static_assert(!kAsyncEpilogue || (kStagedEpilogue && kOverlapConvert && kMinBlocksPerSM == 1 &&
@@ -297,16 +289,12 @@ using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
 //            (H200, dddf285, tuning log v10) and was removed.
 //            NOTES: why: the copy pipeline alone streams only 0.55-0.75 of the copy ceiling at
 //            T = 1 (tuning log v8): one wave of tiles, each CTA with 2 stages in flight.
+//            NOTES (rejected, v14): the same tile with both weight blocks' wgmmas of a k-block
+//            issued together and one wait_group per k-block (two register sets of both blocks'
+//            fragments: 98 / 109 registers, so 3 CTAs per SM with 6 stages; at 4 per SM ptxas
+//            serialized the wgmmas, C7512) was 1.05-1.18x slower at T = 1, 8 and 64 (H200,
+//            4bc0de5): the math warps are bound by instruction issue, not by the wgmma wait.
 using Decode8X2K2Config = GemmConfig<1, 2, 8, 8, 4, 4, true, false, 2>;
-//   Decode8X2K2P (candidate): Decode8X2K2 with the paired issue (kPairedIssue): per k-block both
-//            weight blocks' wgmmas in flight together and one wait, where Decode8X2K2 waits once
-//            per block. The two register sets of both blocks' fragments need 128 registers: 3 CTAs
-//            per SM (at 4, ptxas serialized the wgmmas for lack of registers, C7512), 6 stages.
-//            NOTES: why: a pure read of the decode launches' bytes in the same units and stages
-//            (Sm90ReadCeilingBench) reached 0.80-0.96 of the copy ceiling at T = 1 where the GEMM
-//            reached 0.52-0.65 (H200, fb3142e): the stream is not the limit; the math
-//            warpgroup's chain per stage is (~1.7 us per 8 KiB stage at DeepSeek-V3 L2).
-using Decode8X2K2PConfig = GemmConfig<1, 2, 8, 8, 6, 3, true, false, 2, false, false, 1, true>;
 using Decode8X2OverlapConfig = GemmConfig<1, 2, 8, 8, 8, 4, true>;
 //   Decode16X2K2Split / its twin: Decode16X2K2 (Decode16X2Overlap) taking k_splits: kAuto's tile
 //            for decode launches whose tiles leave at least half the CTA slots idle.

@@ -325,62 +325,6 @@ struct Mainloop {
     ptx::mbar_arrive(&empty_bars[stage]);
   }
 
-  // One stage of the overlapped loop with the paired issue (Cfg::kPairedIssue): per k-block j,
-  // the wgmmas of every weight block of the warpgroup (k16 step outer, block inner), then the
-  // conversion of k-block j + 1's blocks (the next stage's first k-block if has_next_stage,
-  // after waiting for its copies), then one wait_group 0. Set j % 2 holds k-block j's fragments
-  // (an even number of k-blocks per stage: the parity is a compile-time constant).
-  template <int kN>
-  __device__ __forceinline__ static void paired_stage(
-      float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, ThreadAddrs addrs,
-      uint64_t* full_bars, uint64_t* empty_bars, bool first_stage, bool has_next_stage, int stage,
-      uint32_t phase, Frags (&frags)[2]) {
-    constexpr int kKSub = Cfg::kKBlocksPerStage;
-    const uint32_t desc_stage = __shfl_sync(
-        0xFFFFFFFFu, ptx::smem_desc_k128b_lo(smem_b + stage * Cfg::kSmemBBytes), 0);
-    const int next_stage = stage + 1 == Cfg::kNumStages ? 0 : stage + 1;
-    const uint32_t next_phase = stage + 1 == Cfg::kNumStages ? phase ^ 1u : phase;
-    const ThreadAddrs here = at_stage(addrs, stage);
-#pragma unroll
-    for (int j = 0; j < kKSub; ++j) {
-      uint32_t desc[kSteps];
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-        desc[s] = desc_stage + static_cast<uint32_t>((j * Cfg::kSmemBBoxBytes +
-                                                       s * sm90_layout::kStepK * 2) / 16);
-      }
-      const uint32_t scale_d0 = !first_stage || j != 0 ? 1u : 0u;
-      const int cur = j & 1, nxt = cur ^ 1;
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-#pragma unroll
-        for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
-          ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
-              acc[sub], frags[cur][sub][s], desc[s], s == 0 ? scale_d0 : 1u);
-        }
-      }
-      ptx::wgmma_commit();
-      if (j + 1 < kKSub) {
-#pragma unroll
-        for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
-          load_convert_block(here.a + a_offset(sub, j + 1), here.sf + sf_offset(sub, j + 1),
-                             frags[nxt][sub]);
-        }
-      } else if (has_next_stage) {  // uniform over the warpgroup
-        ptx::mbar_wait(&full_bars[next_stage], next_phase);
-        const ThreadAddrs next = at_stage(addrs, next_stage);
-#pragma unroll
-        for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
-          load_convert_block(next.a + a_offset(sub, 0), next.sf + sf_offset(sub, 0),
-                             frags[nxt][sub]);
-        }
-      }
-      ptx::wgmma_wait<0>();
-    }
-    ptx::mbar_arrive(&empty_bars[stage]);  // every math thread (see overlapped_stage)
-  }
-
   template <int kN>
   __device__ __forceinline__ static void run_overlapped(
       float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
@@ -402,21 +346,6 @@ struct Mainloop {
     }
     const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
     const ThreadAddrs addrs = thread_addrs(smem_a, smem_sf, wg, tid);
-    if constexpr (Cfg::kPairedIssue) {
-      Frags frags[2];
-      ptx::mbar_wait(&full_bars[stage], phase);
-      const ThreadAddrs first = at_stage(addrs, stage);
-#pragma unroll
-      for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
-        load_convert_block(first.a + a_offset(sub, 0), first.sf + sf_offset(sub, 0), frags[0][sub]);
-      }
-      for (int ks = 0; ks < num_k_stages; ++ks) {
-        paired_stage<kN>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0, ks + 1 < num_k_stages,
-                         stage, phase, frags);
-        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
-      }
-      return;
-    }
     BlockFrags frags[2];
     ptx::mbar_wait(&full_bars[stage], phase);
     const ThreadAddrs first = at_stage(addrs, stage);

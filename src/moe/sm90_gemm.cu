@@ -361,9 +361,6 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     case GemmTile::kPrefillAsyncK2N96E2:
       launch_k_multiple<PrefillAsyncK2N96E2Config, kKind>(p, b_rows, stream);
       return;
-    case GemmTile::kDecode8X2K2P:
-      launch_k_staged<Decode8X2K2PConfig, Decode8X2OverlapConfig, kKind>(p, b_rows, stream);
-      return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
     case GemmTile::kAutoSerial:

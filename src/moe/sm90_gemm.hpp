@@ -85,11 +85,13 @@ enum class GemmTile : int {
   // 192 x 128), removed: no faster than 34 or 28 (H200, 550f76a).
   kPrefillAsyncK2N96E2 = 38, // kPrefillAsyncK2N96 with a second epilogue warpgroup (7 epilogue
                              // warps; kAuto's tile at 41-80 rows; K % 128 == 0)
-  kDecode8X2K2P = 43,        // kDecode8X2K2 with the paired issue (both weight blocks' wgmmas
-                             // per k-block in flight together; candidate; K % 128 == 0)
   // 39 was kPrefillWideAsync with the second epilogue warpgroup, removed: 0.99-1.02x (H200,
   // a275c59). 41 (kPrefillWideAsync with two k-blocks per stage) and 42 (kPrefillAsyncK2N64 with
   // the second epilogue warpgroup) were candidates, removed: slower or no faster (H200, 0a483df).
+  // 43 was kDecode8X2K2 with the paired issue (both weight blocks' wgmmas of a k-block in flight
+  // together, one wait_group per k-block; 3 CTAs per SM, 6 stages: at 4 ptxas serialized its
+  // wgmmas for lack of registers), removed: 1.05-1.18x slower than 30 at T = 1, 8 and 64 (H200,
+  // 4bc0de5, tuning log v14).
   // 32 was a 64 x 8 tile with two k-blocks per stage (candidate), removed: 1.08-1.20x slower
   // than 30 at T = 1 and 8 (H200, dddf285).
   // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:
