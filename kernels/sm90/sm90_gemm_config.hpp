@@ -294,17 +294,12 @@ using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
 //            fragments: 98 / 109 registers, so 3 CTAs per SM with 6 stages; at 4 per SM ptxas
 //            serialized the wgmmas, C7512) was 1.05-1.18x slower at T = 1, 8 and 64 (H200,
 //            4bc0de5): the math warps are bound by instruction issue, not by the wgmma wait.
+//            NOTES (rejected, v14): the tile on two math warpgroups of one 64-row block each (288
+//            threads, 4 CTAs per SM, at most 56 registers: the overlapped mainloop spilled and
+//            serialized its wgmmas, so the serial one with the one-multiply conversion, 50
+//            registers) was 1.2-1.5x slower than this one at T = 1, 8 and 64 (H200, 69080eb):
+//            twice the warps per unit do not convert faster.
 using Decode8X2K2Config = GemmConfig<1, 2, 8, 8, 4, 4, true, false, 2>;
-//   Decode8W2 (candidate): the 128 x 8 tile with two math warpgroups of one 64-row block each
-//            (288 threads, 4 CTAs per SM: at most 56 registers), so a unit's conversion runs on
-//            twice the warps; the serial mainloop, one k-block per stage, 8 stages (the
-//            overlapped one with two k-blocks per stage needed more registers: ptxas spilled 80
-//            bytes and serialized its wgmmas, C7512).
-//            NOTES: why: at T = 1 an SM runs 3-4 units (448 on 132 SMs at DeepSeek-V3 / Kimi-K3
-//            L2), each on one warpgroup: 3-4 warps per scheduler issuing ~0.5 instructions per
-//            cycle, while a pure read of the same bytes reaches 0.80-0.96 of the copy ceiling
-//            (Sm90ReadCeilingBench, H200, fb3142e).
-using Decode8W2Config = GemmConfig<2, 1, 8, 8, 8, 4>;
 using Decode8X2OverlapConfig = GemmConfig<1, 2, 8, 8, 8, 4, true>;
 //   Decode16X2K2Split / its twin: Decode16X2K2 (Decode16X2Overlap) taking k_splits: kAuto's tile
 //            for decode launches whose tiles leave at least half the CTA slots idle.

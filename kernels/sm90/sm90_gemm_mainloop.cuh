@@ -74,10 +74,36 @@ struct Mainloop {
     }
   }
 
-  // ---- serial mainloop: per stage wait, convert all blocks (load_convert_block, below), wgmma,
-  // wait_group 0.
-  // NOTES: until v14 it had its own conversion with two multiplies per register and rebuilt the
-  // thread's addresses per stage; it now shares the overlapped loop's conversion.
+  // ---- serial mainloop (the validated default): per stage wait, convert all blocks, wgmma,
+  // wait_group 0. Two multiplies per conversion.
+  __device__ __forceinline__ static void load_convert_serial(const uint8_t* smem_a,
+                                                             const uint8_t* smem_sf, int wg,
+                                                             int tid, Frags& frags) {
+    const int warp = tid / 32, g = (tid % 32) / 4;
+#pragma unroll
+    for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
+      const int lm = wg * kMBlocksPerWG + sub;
+      const uint4 wv = ptx::ld_shared_v4(smem_a + lm * sm90_layout::kBlockBytes +
+                                         tid * sm90_layout::kThreadBytes);
+      const uint32_t sfw = ptx::ld_shared_u32(smem_sf + lm * sm90_layout::kSfBlockBytes +
+                                              (warp * 8 + g) * 4);
+      // scale[half][j]: row g + 8 half, k group j of the block; byte 2 half + j.
+      const uint32_t sc[2][2] = {{scale_bf16x2(sfw, 0), scale_bf16x2(sfw, 1)},
+                                 {scale_bf16x2(sfw, 2), scale_bf16x2(sfw, 3)}};
+      const uint32_t words[kSteps] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const int j = s / 2;  // k16 steps 0,1 in the first scale group, 2,3 in the second
+        uint32_t bits[4];
+        sm90_layout::decode_word_bits(words[s], bits);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          frags[sub][s][i] = ptx::mul_bf16x2(
+              ptx::mul_bf16x2(bits[i], sm90_layout::kDecodeUnscale), sc[i & 1][j]);
+        }
+      }
+    }
+  }
 
   template <int kN>
   __device__ __forceinline__ static void run_serial(float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2],
@@ -87,16 +113,11 @@ struct Mainloop {
                                                     int wg, int tid, int& stage,
                                                     uint32_t& phase) {
     static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "wgmma N");
-    static_assert(Cfg::kKBlocksPerStage == 1, "serial mainloop: one k-block per stage");
-    const ThreadAddrs addrs = thread_addrs(smem_a, smem_sf, wg, tid);
     Frags frags;
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       ptx::mbar_wait(&full_bars[stage], phase);
-      const ThreadAddrs here = at_stage(addrs, stage);
-#pragma unroll
-      for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
-        load_convert_block(here.a + a_offset(sub, 0), here.sf + sf_offset(sub, 0), frags[sub]);
-      }
+      load_convert_serial(smem_a + stage * Cfg::kSmemABytes, smem_sf + stage * Cfg::kSmemSfBytes,
+                          wg, tid, frags);
       // k16 step s starts 32 bytes further into each 128-byte swizzled row (desc units of 16 B).
       // Descriptors and the scale-d flag are computed before the fence, outside the wgmma window.
       const uint64_t desc0 = ptx::smem_desc_k128b(smem_b + stage * Cfg::kSmemBBytes);

@@ -361,9 +361,6 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     case GemmTile::kPrefillAsyncK2N96E2:
       launch_k_multiple<PrefillAsyncK2N96E2Config, kKind>(p, b_rows, stream);
       return;
-    case GemmTile::kDecode8W2:
-      launch_config<Decode8W2Config, kKind>(p, b_rows, stream);
-      return;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
     case GemmTile::kAutoSerial:

@@ -88,8 +88,9 @@ enum class GemmTile : int {
   // 39 was kPrefillWideAsync with the second epilogue warpgroup, removed: 0.99-1.02x (H200,
   // a275c59). 41 (kPrefillWideAsync with two k-blocks per stage) and 42 (kPrefillAsyncK2N64 with
   // the second epilogue warpgroup) were candidates, removed: slower or no faster (H200, 0a483df).
-  kDecode8W2 = 44,           // 128 x 8 with two math warpgroups of one 64-row block each, serial,
-                             // 4 CTAs per SM (candidate)
+  // 44 was the 128 x 8 tile on two math warpgroups of one 64-row block each (serial mainloop
+  // with the one-multiply conversion, 4 CTAs per SM, 50 registers), removed: 1.2-1.5x slower
+  // than 30 at T = 1, 8 and 64 (H200, 69080eb, tuning log v14).
   // 43 was kDecode8X2K2 with the paired issue (both weight blocks' wgmmas of a k-block in flight
   // together, one wait_group per k-block; 3 CTAs per SM, 6 stages: at 4 ptxas serialized its
   // wgmmas for lack of registers), removed: 1.05-1.18x slower than 30 at T = 1, 8 and 64 (H200,

@@ -535,8 +535,7 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N96,
-                                          sm90::GemmTile::kDecode8W2};
+                                          sm90::GemmTile::kPrefillAsyncK2N96};
 
 // Tiles without a one-k-block twin: K must be a multiple of 128.
 bool needs_k_multiple_of_128(sm90::GemmTile tile) {
@@ -950,7 +949,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X4K2);
         variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
         if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2);  // kAuto's at avg <= 4 rows
-        if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8W2);
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
