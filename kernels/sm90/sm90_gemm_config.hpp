@@ -289,11 +289,16 @@ using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
 //            (H200, dddf285, tuning log v10) and was removed.
 //            NOTES: why: the copy pipeline alone streams only 0.55-0.75 of the copy ceiling at
 //            T = 1 (tuning log v8): one wave of tiles, each CTA with 2 stages in flight.
+//            (v8 measured the GEMM kernel with its math removed, of 2026-11-30. A launch of the
+//            copy pipeline alone, in this tile's units, stages and CTAs per SM, reads the T = 1
+//            bytes at 0.83-0.95 of the copy ceiling, 0.95-1.01 with programmatic launches:
+//            Sm90ReadCeilingBench, tuning log v14. What holds T = 1 is the math warps.)
 //            NOTES (rejected, v14): the same tile with both weight blocks' wgmmas of a k-block
 //            issued together and one wait_group per k-block (two register sets of both blocks'
 //            fragments: 98 / 109 registers, so 3 CTAs per SM with 6 stages; at 4 per SM ptxas
-//            serialized the wgmmas, C7512) was 1.05-1.18x slower at T = 1, 8 and 64 (H200,
-//            4bc0de5): the math warps are bound by instruction issue, not by the wgmma wait.
+//            serialized the wgmmas, C7512) was slower in 22 of 24 pairs at T = 1, 8 and 64
+//            (0.98-1.20x; H200, 4bc0de5): the wait per weight block is not what bounds the
+//            math warps.
 //            NOTES (rejected, v14): the tile on two math warpgroups of one 64-row block each (288
 //            threads, 4 CTAs per SM, at most 56 registers: the overlapped mainloop spilled and
 //            serialized its wgmmas, so the serial one with the one-multiply conversion, 50

@@ -93,8 +93,8 @@ enum class GemmTile : int {
   // than 30 at T = 1, 8 and 64 (H200, 69080eb, tuning log v14).
   // 43 was kDecode8X2K2 with the paired issue (both weight blocks' wgmmas of a k-block in flight
   // together, one wait_group per k-block; 3 CTAs per SM, 6 stages: at 4 ptxas serialized its
-  // wgmmas for lack of registers), removed: 1.05-1.18x slower than 30 at T = 1, 8 and 64 (H200,
-  // 4bc0de5, tuning log v14).
+  // wgmmas for lack of registers), removed: slower than 30 in 22 of 24 pairs at T = 1, 8 and 64
+  // (0.98-1.20x; H200, 4bc0de5, tuning log v14).
   // 32 was a 64 x 8 tile with two k-blocks per stage (candidate), removed: 1.08-1.20x slower
   // than 30 at T = 1 and 8 (H200, dddf285).
   // 31 was kDecode16X2K2Split splitting only as many tiles as fill the idle CTA slots, removed:
