@@ -73,11 +73,6 @@ struct GemmParams {
   // stream's order still holds. Both 0: no gate.
   int gate_min_avg = 0;
   int gate_max_avg = 0;
-  // Fill order (configs without setmaxnreg): 1 = the producer issues its first stage's copies,
-  // waits until they have landed, and only then the rest of the pipeline (and, with
-  // prefetch_before_wait, prefetches one stage, not all), so that at the start of a launch every
-  // CTA's first stage is requested before any CTA's second. 0: all stages at once.
-  int first_stage_first = 0;
 };
 
 // The launch gate's test: `rows` routed rows over `hits` experts lie in (p.gate_min_avg,

@@ -316,14 +316,12 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     // (stages 0.. of phase 0, whose empty barriers are free) get their weight copies now; the
     // loop below then issues only their B boxes (act / h_act: written by the previous kernel).
     int ahead = 0;
-    const bool fill_first = !Cfg::kUseSetMaxNReg && p.first_stage_first != 0;
     if (prefetch) {
       const int u = blockIdx.x;
       if (u < num_units) {
         const TileInfo tile = sched.get(u / splits);
         const int kb_end = k_begin(u % splits + 1, splits);
-        const int max_ahead = fill_first ? 1 : Cfg::kNumStages;
-        for (int kb = k_begin(u % splits, splits); kb < kb_end && ahead < max_ahead;
+        for (int kb = k_begin(u % splits, splits); kb < kb_end && ahead < Cfg::kNumStages;
              kb += kKSub) {
           copy_weights(tile, kb, ahead++);
         }
@@ -337,12 +335,10 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     int stage = 0;
     uint32_t phase = 0;
     int u = blockIdx.x;
-    int issued = 0;  // stages issued by this CTA (fill order)
     while (u < num_units) {
       const TileInfo tile = sched.get(u / splits);
       const int kb_begin = k_begin(u % splits, splits), kb_end = k_begin(u % splits + 1, splits);
       for (int kb = kb_begin; kb < kb_end; kb += kKSub) {
-        if (fill_first && issued++ == 1) ptx::mbar_wait(&full_bars[0], 0u);  // stage 0 landed
         if (ahead > 0) {
           --ahead;  // weights already issued (same unit, k-block and stage)
         } else {

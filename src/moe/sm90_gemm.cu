@@ -144,15 +144,6 @@ CUtensorMap make_rows_map(const uint16_t* base, int64_t rows, int64_t cols, int 
   return map;
 }
 
-// MEGAMOE_SM90_FILL_FIRST=1 (read once per process; experiment): GemmParams::first_stage_first.
-int fill_first_env() {
-  static const int on = [] {
-    const char* v = std::getenv("MEGAMOE_SM90_FILL_FIRST");
-    return v != nullptr && std::strcmp(v, "1") == 0 ? 1 : 0;
-  }();
-  return on;
-}
-
 template <class Cfg, GemmKind kKind>
 void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
   auto* kernel = &sm90_grouped_gemm_bf16_mxfp4_kernel<Cfg, kKind>;
@@ -178,9 +169,7 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
   const CUtensorMap map =
       make_rows_map(b_rows, static_cast<int64_t>(p.max_rows) + kRowSlack, p.k, Cfg::kBlockN);
   const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
-  GemmParams q = p;
-  q.first_stage_first = fill_first_env();
-  cuda::launch(kernel, grid, Cfg::kThreads, smem, stream, p.prefetch_before_wait != 0, map, q);
+  cuda::launch(kernel, grid, Cfg::kThreads, smem, stream, p.prefetch_before_wait != 0, map, p);
 }
 
 // K (a multiple of 64, check_common) is a whole number of the config's pipeline stages.
