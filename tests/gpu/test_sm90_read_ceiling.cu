@@ -4,8 +4,9 @@
 //
 // The kernel is the GEMMs' copy pipeline without the math: one warp per CTA, bulk copies
 // (cp.async.bulk, as the GEMMs' producers issue them) of `stage_bytes` into a ring of kStages
-// shared-memory slots, each CTA a contiguous chunk of the buffer; the CTAs per SM are fixed by
-// the shared memory each requests. Lane 0 folds the first word of every stage into a checksum, so
+// shared-memory slots; each CTA reads an even share of the buffer or, as the GEMMs, units of one
+// tile (CTA b: units b, b + grid, ...); the CTAs per SM are fixed by the shared memory each
+// requests. Lane 0 folds the first word of every stage into a checksum, so
 // the copies are observed (Sm90ReadCeiling.ChecksumCoversEveryStage checks it against the host).
 // With `programmatic`, a CTA issues its first kStages copies before griddepcontrol.wait, as the
 // decode GEMMs do under programmatic dependent launch.
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "megamoe/buffer.hpp"
+#include "megamoe/error.hpp"
 #include "ptx/sm90_ptx.cuh"
 #include "runtime/cuda_check.hpp"
 #include "runtime/cuda_device.hpp"
@@ -113,6 +115,11 @@ StageMap read_map(const ReadConfig& c, int64_t bytes, int64_t unit_bytes) {
 // the shared memory that leaves room for exactly ctas_per_sm CTAs per SM.
 void launch_read(const ReadConfig& c, const uint8_t* src, int64_t bytes, int64_t unit_bytes,
                  uint32_t* sink, bool programmatic, cudaStream_t stream) {
+  MEGAMOE_CHECK_ARG(bytes % 16 == 0 && unit_bytes % 16 == 0 && c.stage_bytes % 16 == 0 &&
+                        c.stages >= 1 && c.stages <= kMaxStages,
+                    "read ceiling: bulk copies need 16-byte multiples and 1..", kMaxStages,
+                    " stages; got bytes ", bytes, ", unit ", unit_bytes, ", stage ", c.stage_bytes,
+                    " x ", c.stages);
   const size_t smem = std::max<size_t>(static_cast<size_t>(c.stages) * c.stage_bytes,
                                        (227u * 1024u) / c.ctas_per_sm - 2048u);
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(read_stream_kernel,
