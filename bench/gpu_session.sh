@@ -75,6 +75,16 @@ gtest_step() {
   grep -E "$4" "$LOGS/$1" | tail -n "$5" >>"$LOG"
 }
 
+# bench_step NAME TIMEOUT FILTER GREP_PATTERN: one run of the GPU test binary's disabled
+# benchmarks matching FILTER; its full output goes to $LOGS/NAME.log, the lines matching
+# GREP_PATTERN to $OUT/NAME.txt, its last lines to the summary.
+bench_step() {
+  timeout "$2" "$TESTS" --gtest_also_run_disabled_tests --gtest_filter="$3" >"$LOGS/$1.log" 2>&1
+  echo "exit $?" >>"$LOGS/$1.log"
+  grep -E "$4" "$LOGS/$1.log" >>"$OUT/$1.txt"
+  tail -3 "$LOGS/$1.log" >>"$LOG"
+}
+
 for step in $STEPS; do
   case $step in
   train)
@@ -125,18 +135,10 @@ for step in $STEPS; do
     grep -E "passed|failed|SKIPPED|Error|Fatal|^exit|\.py\", line" "$LOGS/python.log" | tail -30 >>"$LOG" ;;
   gemmbench)
     say "grouped GEMM benchmark (every tile config)"
-    timeout "${GEMMBENCH_SECONDS:-200}" "$TESTS" --gtest_also_run_disabled_tests --gtest_filter='Sm90GemmBench.*' \
-      >"$LOGS/gemm_bench.log" 2>&1
-    echo "exit $?" >>"$LOGS/gemm_bench.log"
-    grep -E "bench|copy|^exit|FAILED" "$LOGS/gemm_bench.log" >>"$OUT/gemm_bench.txt"
-    tail -3 "$LOGS/gemm_bench.log" >>"$LOG" ;;
+    bench_step gemm_bench "${GEMMBENCH_SECONDS:-200}" 'Sm90GemmBench.*' "bench|copy|^exit|FAILED" ;;
   readbench)
     say "read ceiling by size (Sm90ReadCeilingBench.*)"
-    timeout "${READBENCH_SECONDS:-150}" "$TESTS" --gtest_also_run_disabled_tests --gtest_filter='Sm90ReadCeilingBench.*' \
-      >"$LOGS/read_ceiling.log" 2>&1
-    echo "exit $?" >>"$LOGS/read_ceiling.log"
-    grep -E "^\[read\]|^exit|FAILED" "$LOGS/read_ceiling.log" >>"$OUT/read_ceiling.txt"
-    tail -3 "$LOGS/read_ceiling.log" >>"$LOG" ;;
+    bench_step read_ceiling "${READBENCH_SECONDS:-150}" 'Sm90ReadCeilingBench.*' "^\[read\]|^exit|FAILED" ;;
   layerbench)
     say "layer benchmark (default tiles, then MEGAMOE_SM90_GEMM_OVERLAP=0)"
     timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 --git-rev "$(cat REVISION 2>/dev/null || echo unknown)" \

@@ -201,6 +201,27 @@ class StreamGraph {
   cudaGraphExec_t exec_ = nullptr;
 };
 
+// The copy ceiling of the GPU benchmarks, in TB/s (bytes read + written): five back-to-back 2 GiB
+// device-to-device copies after one untimed, between two events.
+inline double device_copy_tbs() {
+  const int64_t bytes = int64_t(2) << 30;
+  Buffer a(bytes, Device::cuda()), b(bytes, Device::cuda());
+  cudaEvent_t t0, t1;
+  MEGAMOE_CUDA_CHECK(cudaEventCreate(&t0));
+  MEGAMOE_CUDA_CHECK(cudaEventCreate(&t1));
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice));
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(t0));
+  for (int i = 0; i < 5; ++i)
+    MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice));
+  MEGAMOE_CUDA_CHECK(cudaEventRecord(t1));
+  MEGAMOE_CUDA_CHECK(cudaEventSynchronize(t1));
+  float ms = 0;
+  MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, t0, t1));
+  MEGAMOE_CUDA_CHECK(cudaEventDestroy(t0));
+  MEGAMOE_CUDA_CHECK(cudaEventDestroy(t1));
+  return 5 * 2.0 * bytes / (ms * 1e-3) / 1e12;
+}
+
 // Time per launch of a graph of `launches` launches, as the benchmark protocol of targets.md asks
 // (CUDA events around many launches after warm-up): each of `samples` samples brackets `reps`
 // replays (about 2 ms of work, at most 16) enqueued behind one untimed replay, so the GPU is busy

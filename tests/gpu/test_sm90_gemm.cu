@@ -868,17 +868,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
   SKIP_WITHOUT_SM90();
   const auto& dev = cuda::device_info();
   // Copy ceiling in the same run.
-  {
-    const int64_t bytes = int64_t(2) << 30;
-    Buffer a(bytes, Device::cuda()), b(bytes, Device::cuda());
-    cudaEvent_t t0, t1; cudaEventCreate(&t0); cudaEventCreate(&t1);
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice));
-    cudaEventRecord(t0);
-    for (int i = 0; i < 5; ++i) cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice);
-    cudaEventRecord(t1); cudaEventSynchronize(t1);
-    float ms; cudaEventElapsedTime(&ms, t0, t1);
-    printf("[bench] %s: device copy %.2f TB/s (read + write)\n", dev.name.c_str(), 5 * 2.0 * bytes / (ms * 1e-3) / 1e12);
-  }
+  printf("[bench] %s: device copy %.2f TB/s (read + write)\n", dev.name.c_str(), test::device_copy_tbs());
   const BenchShape shapes[] = {{"kimi-k3", 3584, 3072, 896, 16}, {"deepseek-v3", 7168, 2048, 256, 8}};
   const std::vector<int> tokens = bench_token_list();
   for (const auto& s : shapes) {

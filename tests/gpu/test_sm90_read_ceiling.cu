@@ -168,19 +168,8 @@ TEST(Sm90ReadCeilingBench, DISABLED_Sizes) {
   MEGAMOE_REQUIRE_SM90();
   const auto& dev = cuda::device_info();
   // Copy ceiling as the GEMM benchmark measures it (bytes read + written).
-  double copy_tbs = 0;
-  {
-    const int64_t bytes = int64_t(2) << 30;
-    Buffer a(bytes, Device::cuda()), b(bytes, Device::cuda());
-    cudaEvent_t t0, t1; cudaEventCreate(&t0); cudaEventCreate(&t1);
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice));
-    cudaEventRecord(t0);
-    for (int i = 0; i < 5; ++i) cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice);
-    cudaEventRecord(t1); cudaEventSynchronize(t1);
-    float ms; cudaEventElapsedTime(&ms, t0, t1);
-    copy_tbs = 5 * 2.0 * bytes / (ms * 1e-3) / 1e12;
-    printf("[read] %s: device copy %.2f TB/s (read + write)\n", dev.name.c_str(), copy_tbs);
-  }
+  const double copy_tbs = test::device_copy_tbs();
+  printf("[read] %s: device copy %.2f TB/s (read + write)\n", dev.name.c_str(), copy_tbs);
   // The weight bytes of one decode GEMM launch at T = 1 (E2M1 + UE8M0: 17/32 byte per weight)
   // and its units (128 weight rows x K): DeepSeek-V3 L2 (8 experts x 7168 x 2048: 448 units),
   // Kimi-K3 L2 (16 x 3584 x 3072: 448), DeepSeek-V3 L1 (8 x 4096 x 7168: 256 tiles in 2 K parts),
