@@ -184,15 +184,15 @@ MEGAMOE_HD void scale_source(int64_t index, int64_t cols, bool interleave, int64
 }
 
 // ---------------------------------------------------------------------------------------------
-// Scaling the decoded registers (the GEMM mainloop): when every scale byte of a warp is < 128,
-// one exact multiply by 2^(b - 1) gives E2M1 x 2^(b - 127); otherwise two: by 2^126, then by the
-// scale 2^(b - 127) (2^(b - 1) exceeds the BF16 range for b > 128: legal, if unusual, weight
-// scales).
+// Scaling the decoded registers (the GEMM mainloops): the overlapped configs take weights whose
+// scale bytes are all < 128 (GemmParams::small_scales), where one exact multiply by 2^(b - 1)
+// gives E2M1 x 2^(b - 127); the serial configs multiply twice, by 2^126 and then by the scale
+// 2^(b - 127) (2^(b - 1) exceeds the BF16 range for b > 128: legal, if unusual, weight scales).
 // ---------------------------------------------------------------------------------------------
 constexpr uint32_t kDecodeUnscale = 0x7E807E80u;  // BF16x2 (2^126, 2^126)
 // Folded decoding for scale bytes b < 128 (every real checkpoint's weights are far below 6):
 // one multiply by the BF16 2^(b - 1) = 2^126 x 2^(b - 127), exponent field b + 126.
-constexpr uint32_t kScaleHighBits = 0x80808080u;   // a scale byte >= 128 takes the two-step path
+constexpr uint32_t kScaleHighBits = 0x80808080u;   // set in a scale byte >= 128 (not foldable)
 constexpr uint32_t kFoldedScaleBias = 0x3F003F00u; // (126 << 7) in both BF16 halves
 
 // BF16 bits of the UE8M0 scale 2^(b - 127) (exact for every b; 0xFF -> NaN).

@@ -73,6 +73,10 @@ struct GemmParams {
   // stream's order still holds. Both 0: no gate.
   int gate_min_avg = 0;
   int gate_max_avg = 0;
+  // Every scale byte of sf is < 128 (weight scales <= 2^0; L1Args::small_scales). The overlapped
+  // configs' one-multiply conversion is exact only then: the launcher refuses them otherwise
+  // (kAuto runs the serial configs). The kernels do not read it.
+  int small_scales = 0;
 };
 
 // The launch gate's test: `rows` routed rows over `hits` experts lie in (p.gate_min_avg,

@@ -141,7 +141,8 @@ struct Mainloop {
   }
 
   // ---- overlapped mainloop (kOverlapConvert, the configs kAuto picks): conversion of the next
-  // block during the current block's wgmmas, one multiply per conversion when the scales allow.
+  // block during the current block's wgmmas, one multiply per conversion (weight scale bytes
+  // < 128 only: GemmParams::small_scales).
 
   // This thread's shared-window addresses of its words and scale word in the warpgroup's first
   // weight block of stage 0, k-block 0 (computed once per tile); a unit's loads add only the
@@ -196,32 +197,23 @@ struct Mainloop {
     for (int s = 0; s < kSteps; ++s) sm90_layout::decode_word_bits(words[s], bits[s]);
     // Registers 0, 2 are row g (scale byte j), registers 1, 3 row g + 8 (byte 2 + j); k16 steps
     // 0, 1 are in the first scale group (j = 0), steps 2, 3 in the second (j = 1).
-    if (__all_sync(0xFFFFFFFFu, (sfw & sm90_layout::kScaleHighBits) == 0)) {
-      // Every scale of the warp is <= 2^0 (b < 128, the usual case): one multiply by
-      // 2^(b - 1) = 2^126 x 2^(b - 127), a normal BF16 for b in [0, 127], gives E2M1 x 2^(b - 127)
-      // exactly (one factor is a power of two and the product is representable). The two scales
-      // of a row (k groups j = 0, 1) share one BF16x2 register, each multiply takes its half.
-      const uint32_t sc[2] = {scale_folded_pair_bf16x2<0, 1>(sfw),
-                              scale_folded_pair_bf16x2<2, 3>(sfw)};
+    // Every scale byte b is < 128 (scale <= 2^0; the launcher runs these configs only on such
+    // weights: GemmParams::small_scales): one multiply by 2^(b - 1) = 2^126 x 2^(b - 127), a
+    // normal BF16 for b in [0, 127], gives E2M1 x 2^(b - 127) exactly (one factor is a power of
+    // two and the product is representable). The two scales of a row (k groups j = 0, 1) share
+    // one BF16x2 register, each multiply takes its half.
+    // NOTES: why no run-time test: a warp vote per block sent warps with a scale >= 128 to a
+    // two-multiply path; dropping the vote and that path made the decode launches 3-5 % faster
+    // at T = 1 and 2-4 % at T = 8 and 64 (H200, tuning log v15), and weights with larger scales
+    // (|w| > 6) run the serial configs, whose conversion takes any scale.
+    const uint32_t sc[2] = {scale_folded_pair_bf16x2<0, 1>(sfw),
+                            scale_folded_pair_bf16x2<2, 3>(sfw)};
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kSteps; ++s) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          frags[s][i] = s < 2 ? ptx::mul_bf16x2_by_half<false>(bits[s][i], sc[i & 1])
-                              : ptx::mul_bf16x2_by_half<true>(bits[s][i], sc[i & 1]);
-        }
-      }
-    } else {
-      // Any scale: by 2^126, then by 2^(b - 127) (2^(b - 1) would overflow BF16 for b > 128).
-      const uint32_t sc[2][2] = {{scale_bf16x2(sfw, 0), scale_bf16x2(sfw, 1)},
-                                 {scale_bf16x2(sfw, 2), scale_bf16x2(sfw, 3)}};
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          frags[s][i] = ptx::mul_bf16x2(ptx::mul_bf16x2(bits[s][i], sm90_layout::kDecodeUnscale),
-                                        sc[i & 1][s / 2]);
-        }
+      for (int i = 0; i < 4; ++i) {
+        frags[s][i] = s < 2 ? ptx::mul_bf16x2_by_half<false>(bits[s][i], sc[i & 1])
+                            : ptx::mul_bf16x2_by_half<true>(bits[s][i], sc[i & 1]);
       }
     }
   }
@@ -289,6 +281,10 @@ struct Mainloop {
         const int unit = j * kMBlocksPerWG + sub;
         const int cur = kCopySets ? 0 : (kStageParity + unit) & 1;
         const int nxt = kCopySets ? 1 : cur ^ 1;
+        // NOTES (rejected, v15): the decode tiles' four k16 steps alternating between two
+        // accumulator sets (two dependent chains of 2 instead of one of 4, summed after the K
+        // loop): 0.98-1.01x at T = 1, 8 and 64 (H200, 9e00e5c + experiment build): the chain's
+        // latency is not what bounds them.
         ptx::wgmma_fence();
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {

@@ -156,6 +156,11 @@ void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t str
     MEGAMOE_CHECK_ARG(p.k_splits <= stages, "sm90 gemm: k_splits: expected at most the ", stages,
                       " pipeline stages of K = ", p.k, ", got ", p.k_splits);
   }
+  MEGAMOE_CHECK_ARG(!Cfg::kOverlapConvert || p.small_scales != 0,
+                    "sm90 gemm: the overlapped tiles convert with one multiply, exact only for "
+                    "weight scale bytes < 128 (L1Args / L2Args::small_scales, scales_all_small); "
+                    "these weights have a larger scale (or small_scales was not set): use kAuto, "
+                    "which runs the serial tiles for them, or a serial tile");
   const auto& dev = cuda::device_info();
   const size_t smem = Cfg::smem_bytes(p.num_experts);
   MEGAMOE_CHECK(static_cast<int64_t>(Cfg::smem_bytes(kMaxLocalExperts)) <= dev.smem_per_block_optin,
@@ -247,7 +252,10 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
   const bool auto_splits = p.k_splits == 0;
   if (auto_splits) p.k_splits = 1;
   if (tile == GemmTile::kAuto) tile = forced_tile();
-  if (tile == GemmTile::kAuto) tile = overlap_by_default() ? GemmTile::kAutoOverlap : GemmTile::kAutoSerial;
+  if (tile == GemmTile::kAuto) {
+    tile = overlap_by_default() && p.small_scales != 0 ? GemmTile::kAutoOverlap
+                                                       : GemmTile::kAutoSerial;
+  }
   if (tile == GemmTile::kAutoSerial || tile == GemmTile::kAutoOverlap) {
     const bool overlap = tile == GemmTile::kAutoOverlap;
     const RowEstimate est = estimate_rows(rows_hint, p.max_rows, p.num_experts);
@@ -423,7 +431,7 @@ template <GemmKind kKind>
 void launch(const GemmParams& p, int64_t rows_hint, int64_t rows_per_expert_max, GemmTile tile,
             const uint16_t* b_rows, cudaStream_t stream) {
   const bool autotile = tile == GemmTile::kAuto && forced_tile() == GemmTile::kAuto &&
-                        overlap_by_default();
+                        overlap_by_default() && p.small_scales != 0;
   if (!autotile) {
     launch_one<kKind>(p, rows_hint, tile, b_rows, stream);
     return;
@@ -483,6 +491,44 @@ int64_t split_k_partial_floats() {
          Decode16X2K2SplitConfig::kSplitUnitFloats;
 }
 
+namespace {
+
+// Sets *found when any byte of [sf, sf + bytes) has its high bit set (16 bytes per thread and
+// step where sf is 16-byte aligned, bytewise otherwise and for the tail).
+__global__ void scale_high_bit_kernel(const uint8_t* sf, int64_t bytes, int32_t* found) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t vecs = reinterpret_cast<uintptr_t>(sf) % 16 == 0 ? bytes / 16 : 0;
+  const uint4* v = reinterpret_cast<const uint4*>(sf);
+  uint32_t any = 0;
+  for (int64_t i = first; i < vecs; i += stride) {
+    const uint4 w = __ldg(v + i);
+    any |= w.x | w.y | w.z | w.w;
+  }
+  for (int64_t i = vecs * 16 + first; i < bytes; i += stride) any |= sf[i];
+  if ((any & sm90_layout::kScaleHighBits) != 0) atomicOr(found, 1);
+}
+
+}  // namespace
+
+bool scales_all_small(const uint8_t* sf, int64_t bytes, cudaStream_t stream) {
+  MEGAMOE_CHECK_ARG(bytes >= 0, "scales_all_small: bytes: expected >= 0, got ", bytes);
+  if (bytes == 0) return true;
+  MEGAMOE_CHECK_ARG(sf != nullptr, "scales_all_small: sf: expected a device pointer, got null");
+  int32_t* found = nullptr;
+  MEGAMOE_CUDA_CHECK(cudaMallocAsync(&found, sizeof(int32_t), stream));
+  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(found, 0, sizeof(int32_t), stream));
+  const int64_t blocks = std::min<int64_t>(
+      std::max<int64_t>(1, (bytes / 16 + 255) / 256), 8LL * cuda::device_info().sm_count);
+  scale_high_bit_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(sf, bytes, found);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  int32_t host = 0;
+  MEGAMOE_CUDA_CHECK(cudaMemcpyAsync(&host, found, sizeof host, cudaMemcpyDeviceToHost, stream));
+  MEGAMOE_CUDA_CHECK(cudaFreeAsync(found, stream));
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return host == 0;
+}
+
 void launch_l1(const L1Args& a, cudaStream_t stream) {
   check_common("launch_l1", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
   if (a.max_rows == 0) return;  // no rows can exist
@@ -513,6 +559,7 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
   p.h_q = a.h_q;
   p.h_sf = a.h_sf;
   p.h_act = a.h_act;
+  p.small_scales = a.small_scales ? 1 : 0;
   set_split_k(p, a.split_k, a.k_splits, "launch_l1");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
   launch<GemmKind::kL1>(p, a.rows_hint, a.rows_per_expert_max, a.tile, a.act, stream);
@@ -541,6 +588,7 @@ void launch_l2(const L2Args& a, cudaStream_t stream) {
   p.bias = a.w2_bias;
   p.intermediate = static_cast<int>(a.intermediate);
   p.out = a.out;
+  p.small_scales = a.small_scales ? 1 : 0;
   set_split_k(p, a.split_k, a.k_splits, "launch_l2");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
   launch<GemmKind::kL2>(p, a.rows_hint, a.rows_per_expert_max, a.tile, a.h_act, stream);

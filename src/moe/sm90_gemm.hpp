@@ -44,9 +44,10 @@ constexpr int64_t kRowSlack = 256;  // extra rows allocated after max_rows in ev
 // The *Overlap / *Staged configurations use the overlapped mainloop (next block's conversion
 // during the current wgmmas, one-multiply conversion; Staged: the L1 epilogue through shared
 // memory). Measured on an H200 (docs/perf.md, GEMM tuning log) they beat the serial ones at every
-// token count, so kAuto picks among them (= kAutoOverlap); kAutoSerial is the former policy over
-// the serial configurations, and the environment variable MEGAMOE_SM90_GEMM_OVERLAP=0 (read once
-// per process) makes kAuto behave as kAutoSerial.
+// token count, so kAuto picks among them (= kAutoOverlap) when the weights' scales allow their
+// one-multiply conversion (L1Args::small_scales); kAutoSerial is the former policy over the serial
+// configurations, which kAuto takes for weights with a scale byte >= 128, and the environment
+// variable MEGAMOE_SM90_GEMM_OVERLAP=0 (read once per process) makes kAuto behave as kAutoSerial.
 enum class GemmTile : int {
   kAuto = 0,
   kDecode8 = 1,              // 64 weight rows x 8 token rows, 4 CTAs per SM
@@ -154,6 +155,11 @@ struct L1Args {
   const float* row_weights = nullptr;   // device fp32 [max_rows]
   const uint8_t* w13 = nullptr;         // device, sm90 prepared layout
   const uint8_t* w13_sf = nullptr;      // device, sm90 prepared layout
+  bool small_scales = false;            // every scale byte of w13_sf is < 128 (scale <= 2^0;
+                                        // scales_all_small). The overlapped configs need it
+                                        // (one exact multiply per converted register); without
+                                        // it kAuto runs the serial configs (any scale, slower)
+                                        // and a forced overlapped tile is refused
   const uint16_t* w13_bias = nullptr;   // device bf16 [E_l, 2I] canonical row order, or nullptr
   Activation activation;
   bool fast_math = true;
@@ -186,6 +192,7 @@ struct L2Args {
   const float* row_weights = nullptr;   // device fp32 [max_rows] (scales the L2 bias only)
   const uint8_t* w2 = nullptr;          // device, sm90 prepared layout
   const uint8_t* w2_sf = nullptr;       // device, sm90 prepared layout
+  bool small_scales = false;            // as in L1Args, for w2_sf
   const uint16_t* w2_bias = nullptr;    // device bf16 [E_l, H], or nullptr
   uint16_t* out = nullptr;              // device bf16 [max_rows, H]
   GemmTile tile = GemmTile::kAuto;      // as in L1Args
@@ -209,6 +216,11 @@ struct LaunchPlan {
 };
 LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num_experts,
                          int64_t max_rows);
+
+// Whether every one of `bytes` scale bytes at device pointer `sf` is < 128 (weight scales
+// <= 2^0: L1Args / L2Args::small_scales). One pass over the bytes on `stream`, then a host
+// synchronization of it: for weight loading, not inside a layer call.
+bool scales_all_small(const uint8_t* sf, int64_t bytes, cudaStream_t stream);
 
 // Asynchronous on `stream`; no host synchronization and no allocation (CUDA-graph capturable).
 void launch_l1(const L1Args& args, cudaStream_t stream);

@@ -193,6 +193,10 @@ void Sm90Layer::init_workspace() {
   MEGAMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, static_cast<size_t>(bytes)));
   const RouteError clean{kRouteNoError, 0};
   MEGAMOE_CUDA_CHECK(cudaMemcpy(view_.error, &clean, sizeof clean, cudaMemcpyHostToDevice));
+  // The scales decide between the GEMMs' overlapped tiles (one multiply per converted register,
+  // scale bytes < 128) and the serial ones (any scale): read once here, not per call.
+  w13_small_scales_ = scales_all_small(weights_->w13_sf.as<uint8_t>(), weights_->w13_sf.size(), nullptr);
+  w2_small_scales_ = scales_all_small(weights_->w2_sf.as<uint8_t>(), weights_->w2_sf.size(), nullptr);
 }
 
 Sm90Layer::~Sm90Layer() = default;
@@ -260,6 +264,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l1.row_weights = view_.row_weights;
   l1.w13 = weights_->w13.as<uint8_t>();
   l1.w13_sf = weights_->w13_sf.as<uint8_t>();
+  l1.small_scales = w13_small_scales_;
   l1.w13_bias = weights_->has_bias() ? weights_->w13_bias.as<uint16_t>() : nullptr;
   l1.activation = config_.activation;
   l1.fast_math = config_.fast_math;
@@ -283,6 +288,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l2.row_weights = view_.row_weights;
   l2.w2 = weights_->w2.as<uint8_t>();
   l2.w2_sf = weights_->w2_sf.as<uint8_t>();
+  l2.small_scales = w2_small_scales_;
   l2.w2_bias = weights_->has_bias() ? weights_->w2_bias.as<uint16_t>() : nullptr;
   l2.out = view_.out;
   l2.split_k = view_.split_k;

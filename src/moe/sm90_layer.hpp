@@ -66,7 +66,8 @@ class Sm90Layer {
   // already in the sm90 layout on the current device. Throws kUnsupported without an sm_90 GPU.
   Sm90Layer(const LayerConfig& config, MoeWeights weights);
   // Borrows weights already returned by prepare_device_weights(); they must outlive the layer
-  // (the MoeLayer backend owns them in its LayerBackend base).
+  // (the MoeLayer backend owns them in its LayerBackend base), and their scale bytes must not
+  // change under it (the constructor reads whether they are all < 128: w13_small_scales()).
   Sm90Layer(const LayerConfig& config, const MoeWeights* prepared);
 
   // Moves `weights` to the current device in the sm90 layout (see the constructor).
@@ -99,6 +100,10 @@ class Sm90Layer {
   int64_t max_rows() const { return max_rows_; }
   int64_t workspace_bytes() const { return workspace_.size(); }
   const WorkspaceView& workspace() const { return view_; }
+  // Whether every scale byte of w13_sf / w2_sf is < 128 (sm90::scales_all_small, read once at
+  // construction): the GEMMs run their faster overlapped tiles only then.
+  bool w13_small_scales() const { return w13_small_scales_; }
+  bool w2_small_scales() const { return w2_small_scales_; }
 
  private:
   void init_workspace();
@@ -110,6 +115,8 @@ class Sm90Layer {
   int64_t max_rows_ = 0;
   Buffer workspace_;
   WorkspaceView view_;
+  bool w13_small_scales_ = false;
+  bool w2_small_scales_ = false;
   bool programmatic_ = programmatic_launch_default();
 };
 

@@ -256,6 +256,7 @@ void run_l2_case(const Problem& p, int64_t rows_hint, bool with_bias,
   a.rows_per_expert_max = g_rows_per_expert_max;
   a.row_weights = d_rw.as<float>(); a.w2 = d_w.as<uint8_t>(); a.w2_sf = d_sf.as<uint8_t>();
   a.w2_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.out = d_out.as<uint16_t>();
+  a.small_scales = sm90::scales_all_small(d_sf.as<uint8_t>(), int64_t(psf2.size()), nullptr);
   a.tile = tile;
   a.split_k = split_workspace();
   if (g_static_units) a.split_k.unit_counter = nullptr;
@@ -337,6 +338,7 @@ void run_l1_case(const Problem& p, int64_t rows_hint, const Activation& act, boo
   a.w13_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.activation = act;
   a.fast_math = fast_math; a.h_q = d_hq.as<uint8_t>(); a.h_sf = d_hsf.as<uint8_t>();
   a.h_act = d_hact.as<uint16_t>();
+  a.small_scales = sm90::scales_all_small(d_sf.as<uint8_t>(), int64_t(psf.size()), nullptr);
   a.tile = tile;
   a.split_k = split_workspace();
   if (g_static_units) a.split_k.unit_counter = nullptr;
@@ -560,10 +562,20 @@ void every_tile_case(sm90::GemmTile tile) {
   run_l2_case(q, 1, false, tile);
 }
 
-// Scale bytes on both sides of 128 (weights up to 6 x 2^18): in the overlapped configs, warps
-// whose scales are all < 128 take the one-multiply conversion, the others the two-multiply one
+// The tiles on the serial mainloop (two multiplies per converted register: any scale byte).
+// Every other forced tile is an overlapped one, which needs scale bytes < 128.
+constexpr sm90::GemmTile kSerialTiles[] = {sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16,
+                                           sm90::GemmTile::kPrefill, sm90::GemmTile::kDecode16X2,
+                                           sm90::GemmTile::kDecode8X2};
+bool serial_tile(sm90::GemmTile tile) {
+  return std::find(std::begin(kSerialTiles), std::end(kSerialTiles), tile) != std::end(kSerialTiles);
+}
+
+// Scale bytes on both sides of 128 (weights up to 6 x 2^18): kAuto (which then runs the serial
+// tiles) and the serial tiles compute them exactly; an overlapped tile forced on them is refused
+// with an error that names the scales, and launches nothing.
 // (W2: warps 0, 2 of each block see 110..145, warps 1, 3 only 110..127; W13 likewise by the
-// interleave).
+// interleave.)
 void wide_scale_case(sm90::GemmTile tile) {
   Problem p = make_problem(512, 256, {3, 40, 150}, false, 10);
   std::mt19937 rng(11);
@@ -577,8 +589,22 @@ void wide_scale_case(sm90::GemmTile tile) {
   };
   respread(p.w13_sf, 2 * p.I, p.H);
   respread(p.w2_sf, p.H, p.I);
-  run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
-  run_l2_case(p, p.rows, false, tile);
+  if (tile == sm90::GemmTile::kAuto || tile == sm90::GemmTile::kAutoSerial || serial_tile(tile)) {
+    run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
+    run_l2_case(p, p.rows, false, tile);
+    return;
+  }
+  for (int l = 1; l <= 2; ++l) {
+    SCOPED_TRACE("L" + std::to_string(l) + " tile=" + std::to_string(int(tile)));
+    try {
+      if (l == 1) run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
+      else run_l2_case(p, p.rows, false, tile);
+      ADD_FAILURE() << "an overlapped tile ran on weights with scale bytes >= 128";
+    } catch (const megamoe::Error& e) {
+      EXPECT_EQ(e.code(), megamoe::ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("scale bytes < 128"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Sm90Gemm, EveryTileConfig) {
@@ -618,7 +644,42 @@ TEST(Sm90Gemm, RunTimeUnitsAgreeBitwiseWithStaticSplit) {
 
 TEST(Sm90Gemm, ScalesAboveAndBelow128) {
   SKIP_WITHOUT_SM90();
+  wide_scale_case(sm90::GemmTile::kAuto);
+  wide_scale_case(sm90::GemmTile::kAutoSerial);
   for (const sm90::GemmTile tile : kDefaultTiles) wide_scale_case(tile);
+}
+
+// scales_all_small: one byte >= 128 anywhere (first, last, inside the 16-byte vectors, in the
+// bytewise tail, at an unaligned start) is found; 127s and an empty range are small.
+TEST(Sm90Gemm, ScalesAllSmallFindsEveryLargeByte) {
+  SKIP_WITHOUT_SM90();
+  constexpr int64_t kBytes = 100003;  // not a multiple of 16: a bytewise tail
+  Buffer d(kBytes + 16, Device::cuda());
+  const std::vector<uint8_t> small(kBytes + 16, 127);
+  auto upload = [&](const std::vector<uint8_t>& v) {
+    copy_bytes(d.data(), Device::cuda(), v.data(), Device::cpu(), v.size());
+  };
+  upload(small);
+  const uint8_t* base = d.as<uint8_t>();
+  EXPECT_TRUE(sm90::scales_all_small(base, kBytes, nullptr));
+  EXPECT_TRUE(sm90::scales_all_small(base + 3, kBytes, nullptr));
+  EXPECT_TRUE(sm90::scales_all_small(base, 0, nullptr));
+  for (const int64_t at : {int64_t{0}, int64_t{15}, int64_t{16}, int64_t{4097}, kBytes - 17,
+                           kBytes - 1}) {
+    for (const uint8_t value : {uint8_t{128}, uint8_t{255}}) {
+      std::vector<uint8_t> v = small;
+      v[at] = value;
+      upload(v);
+      EXPECT_FALSE(sm90::scales_all_small(base, kBytes, nullptr)) << "byte " << at;
+      if (at >= 3) EXPECT_FALSE(sm90::scales_all_small(base + 3, kBytes - 3, nullptr)) << "byte " << at;
+    }
+  }
+  // A large byte just past the range is not read.
+  std::vector<uint8_t> v = small;
+  v[kBytes] = 200;
+  upload(v);
+  EXPECT_TRUE(sm90::scales_all_small(base, kBytes, nullptr));
+  EXPECT_THROW(sm90::scales_all_small(base, -1, nullptr), megamoe::Error);
 }
 
 TEST(Sm90GemmOptIn, EveryTileConfig) {
@@ -892,6 +953,9 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
     const SplitWorkspace bench_split(bench_split_tiles,
                                      int64_t(bench_split_tiles) * sm90::kMaxKSplits * 128 * 16);
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    const bool w13_small = sm90::scales_all_small(w13sf.as<uint8_t>(), w13sf.size(), nullptr);
+    const bool w2_small = sm90::scales_all_small(w2sf.as<uint8_t>(), w2sf.size(), nullptr);
+    printf("[bench] %s: scale bytes all < 128: w13 %d, w2 %d\n", s.name, int(w13_small), int(w2_small));
     for (int T : tokens) {
       // Uniform top-k routing without repeats, 4 seeds rotated (different experts each launch).
       constexpr int kRot = 4;
@@ -916,13 +980,14 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
       sm90::L1Args a1;
       a1.num_experts = int(s.E); a1.hidden = s.H; a1.intermediate = s.I; a1.max_rows = max_rows;
       a1.rows_hint = rows; a1.act = x.as<uint16_t>(); a1.row_weights = d_rw.as<float>();
-      a1.w13 = w13.as<uint8_t>(); a1.w13_sf = w13sf.as<uint8_t>();
+      a1.w13 = w13.as<uint8_t>(); a1.w13_sf = w13sf.as<uint8_t>(); a1.small_scales = w13_small;
       a1.activation = std::string(s.name) == "kimi-k3" ? Activation::situ(4.0f, 25.0f) : Activation::swiglu();
       a1.h_q = hq.as<uint8_t>(); a1.h_sf = hsf.as<uint8_t>(); a1.h_act = hact_out.as<uint16_t>();
       sm90::L2Args a2;
       a2.num_experts = int(s.E); a2.hidden = s.H; a2.intermediate = s.I; a2.max_rows = max_rows;
       a2.rows_hint = rows; a2.h_act = hact.as<uint16_t>(); a2.row_weights = d_rw.as<float>();
       a2.w2 = w2.as<uint8_t>(); a2.w2_sf = w2sf.as<uint8_t>(); a2.out = out.as<uint16_t>();
+      a2.small_scales = w2_small;
       // kAuto is what the layer runs (the overlapped configs); kAutoSerial the former default
       // (serial configs); decode and prefill tiles are also timed forced where they could be
       // chosen (tile numbers: sm90::GemmTile).

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# A/B of GEMM builds in one device call: the grouped-GEMM benchmark (Sm90GemmBench.*) of each
+# prebuilt megamoe_gpu_tests binary, in the given order and then in the reverse order (a later
+# run in a call reads a few percent slower: docs/perf.md, tuning log v12), so each build has one
+# early and one late reading. Optionally, first, GPU tests on named binaries.
+#
+#   [AB_TESTS="NAME:FILTER ..."] [MEGAMOE_BENCH_TOKENS=1,8] [MEGAMOE_BENCH_TILES=0] \
+#     bench/gemm_ab.sh NAME=PATH [NAME=PATH ...]
+#
+# Writes $OUT/ab_NAME_{1,2}.txt (the benchmark's [bench] lines), $OUT/ab_tests_NAME.txt and a
+# summary in $OUT/ab_log.txt.
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+LOG=$OUT/ab_log.txt
+export NCCL_NVLS_ENABLE=0
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+[ $# -ge 1 ] || { echo "usage: gemm_ab.sh NAME=PATH [NAME=PATH ...]" >&2; exit 2; }
+declare -A BIN
+names=()
+for a in "$@"; do
+  name=${a%%=*}; path=${a#*=}
+  [ -x "$path" ] || { echo "gemm_ab: $name: no executable at $path" >&2; exit 2; }
+  BIN[$name]=$path; names+=("$name")
+done
+t0=$(date +%s)
+say() { echo "== +$(( $(date +%s) - t0 ))s $*" | tee -a "$LOG"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader >>"$LOG"
+
+for spec in ${AB_TESTS:-}; do
+  name=${spec%%:*}; filter=${spec#*:}
+  say "tests $name: $filter"
+  timeout 300 "${BIN[$name]}" --gtest_filter="$filter" >"$OUT/ab_tests_$name.txt" 2>&1
+  echo "exit $?" >>"$OUT/ab_tests_$name.txt"
+  grep -E "^\[  FAILED|^\[  PASSED|tests? ran|^exit" "$OUT/ab_tests_$name.txt" >>"$LOG"
+done
+
+reversed=()
+for (( i=${#names[@]}-1; i>=0; i-- )); do reversed+=("${names[$i]}"); done
+pass=1
+for order in "${names[*]}" "${reversed[*]}"; do
+  for name in $order; do
+    say "bench $name (pass $pass)"
+    timeout 300 "${BIN[$name]}" --gtest_also_run_disabled_tests --gtest_filter='Sm90GemmBench.*' \
+      >"$OUT/ab_${name}_$pass.log" 2>&1
+    echo "exit $?" >>"$OUT/ab_${name}_$pass.log"
+    grep -E "bench|^exit|FAILED" "$OUT/ab_${name}_$pass.log" >"$OUT/ab_${name}_$pass.txt"
+    rm -f "$OUT/ab_${name}_$pass.log"
+    tail -1 "$OUT/ab_${name}_$pass.txt" >>"$LOG"
+  done
+  pass=$((pass + 1))
+done
+say done
