@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 
 #include "megamoe/error.hpp"
 #include "runtime/cuda_check.hpp"
@@ -246,6 +247,71 @@ RowEstimate estimate_rows(int64_t rows_hint, int64_t max_rows, int num_experts) 
   return {active, rows / active};
 }
 
+// How a forced tile takes K: any multiple of 64 (kAny), its one-k-block twin when K is not a
+// multiple of its stage depth (kTwin), or only a multiple of its stage depth (kMultiple).
+enum class KRule { kAny, kTwin, kMultiple };
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+template <KRule kRule>
+using KRuleTag = std::integral_constant<KRule, kRule>;
+
+// The configuration of each forced tile, in one place: calls f(TypeTag<Cfg>, TypeTag<Twin>,
+// KRuleTag) (Twin = Cfg unless the rule is kTwin) and returns true, or returns false for kAuto*
+// and values that are not a GemmTile.
+template <class F>
+bool with_tile_config(GemmTile tile, F&& f) {
+  auto any = [&](auto cfg) { f(cfg, cfg, KRuleTag<KRule::kAny>{}); };
+  auto twin = [&](auto cfg, auto one) { f(cfg, one, KRuleTag<KRule::kTwin>{}); };
+  auto multiple = [&](auto cfg) { f(cfg, cfg, KRuleTag<KRule::kMultiple>{}); };
+  switch (tile) {
+    case GemmTile::kDecode8: any(TypeTag<Decode8Config>{}); return true;
+    case GemmTile::kDecode16: any(TypeTag<DecodeConfig>{}); return true;
+    case GemmTile::kPrefill: any(TypeTag<PrefillConfig>{}); return true;
+    case GemmTile::kDecode16Overlap: any(TypeTag<DecodeOverlapConfig>{}); return true;
+    case GemmTile::kPrefillOverlap: any(TypeTag<PrefillOverlapConfig>{}); return true;
+    case GemmTile::kPrefillWideOverlap: any(TypeTag<PrefillWideOverlapConfig>{}); return true;
+    case GemmTile::kPrefillStaged: any(TypeTag<PrefillStagedConfig>{}); return true;
+    case GemmTile::kPrefillWideStaged: any(TypeTag<PrefillWideStagedConfig>{}); return true;
+    case GemmTile::kDecode16X2: any(TypeTag<Decode16X2Config>{}); return true;
+    case GemmTile::kDecode8X2: any(TypeTag<Decode8X2Config>{}); return true;
+    case GemmTile::kDecode16X2Overlap: any(TypeTag<Decode16X2OverlapConfig>{}); return true;
+    case GemmTile::kDecode16X4Overlap: any(TypeTag<Decode16X4OverlapConfig>{}); return true;
+    case GemmTile::kDecode16X2Overlap3: any(TypeTag<Decode16X2Overlap3Config>{}); return true;
+    case GemmTile::kDecode16X2K2:
+      twin(TypeTag<Decode16X2K2Config>{}, TypeTag<Decode16X2OverlapConfig>{});
+      return true;
+    case GemmTile::kDecode16X4K2:
+      twin(TypeTag<Decode16X4K2Config>{}, TypeTag<Decode16X4OverlapConfig>{});
+      return true;
+    case GemmTile::kDecode16X2K2x3:
+      twin(TypeTag<Decode16X2K2x3Config>{}, TypeTag<Decode16X2Overlap3Config>{});
+      return true;
+    case GemmTile::kPrefillK2:
+      twin(TypeTag<PrefillK2Config>{}, TypeTag<PrefillStagedConfig>{});
+      return true;
+    case GemmTile::kDecode16X2K2Split:
+      twin(TypeTag<Decode16X2K2SplitConfig>{}, TypeTag<Decode16X2OverlapSplitConfig>{});
+      return true;
+    case GemmTile::kDecode8X2K2:
+      twin(TypeTag<Decode8X2K2Config>{}, TypeTag<Decode8X2OverlapConfig>{});
+      return true;
+    case GemmTile::kPrefillAsyncK2:
+      twin(TypeTag<PrefillAsyncK2Config>{}, TypeTag<PrefillAsyncK2TwinConfig>{});
+      return true;
+    case GemmTile::kPrefillWideAsync: any(TypeTag<PrefillWideAsyncConfig>{}); return true;
+    case GemmTile::kPrefillAsyncK2N96: multiple(TypeTag<PrefillAsyncK2N96Config>{}); return true;
+    case GemmTile::kPrefillAsyncK2N64: multiple(TypeTag<PrefillAsyncK2N64Config>{}); return true;
+    case GemmTile::kPrefillAsyncK2N96E2: multiple(TypeTag<PrefillAsyncK2N96E2Config>{}); return true;
+    case GemmTile::kAuto:
+    case GemmTile::kAutoOverlap:
+    case GemmTile::kAutoSerial:
+      return false;
+  }
+  return false;
+}
+
 template <GemmKind kKind>
 void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* b_rows,
                 cudaStream_t stream) {
@@ -306,75 +372,18 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     }
     if (tile == GemmTile::kDecode16X2K2Split) p.k_splits = parts;  // kAuto picks it only to split
   }
-  switch (tile) {
-    case GemmTile::kDecode8: launch_config<Decode8Config, kKind>(p, b_rows, stream); return;
-    case GemmTile::kDecode16: launch_config<DecodeConfig, kKind>(p, b_rows, stream); return;
-    case GemmTile::kPrefill: launch_config<PrefillConfig, kKind>(p, b_rows, stream); return;
-    case GemmTile::kDecode16Overlap:
-      launch_config<DecodeOverlapConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillOverlap:
-      launch_config<PrefillOverlapConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillWideOverlap:
-      launch_config<PrefillWideOverlapConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillStaged:
-      launch_config<PrefillStagedConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillWideStaged:
-      launch_config<PrefillWideStagedConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X2: launch_config<Decode16X2Config, kKind>(p, b_rows, stream); return;
-    case GemmTile::kDecode8X2: launch_config<Decode8X2Config, kKind>(p, b_rows, stream); return;
-    case GemmTile::kDecode16X2Overlap:
-      launch_config<Decode16X2OverlapConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X4Overlap:
-      launch_config<Decode16X4OverlapConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X2Overlap3:
-      launch_config<Decode16X2Overlap3Config, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X2K2:
-      launch_k_staged<Decode16X2K2Config, Decode16X2OverlapConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X4K2:
-      launch_k_staged<Decode16X4K2Config, Decode16X4OverlapConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X2K2x3:
-      launch_k_staged<Decode16X2K2x3Config, Decode16X2Overlap3Config, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillK2:
-      launch_k_staged<PrefillK2Config, PrefillStagedConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode16X2K2Split:
-      launch_k_staged<Decode16X2K2SplitConfig, Decode16X2OverlapSplitConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kDecode8X2K2:
-      launch_k_staged<Decode8X2K2Config, Decode8X2OverlapConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillAsyncK2:
-      launch_k_staged<PrefillAsyncK2Config, PrefillAsyncK2TwinConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillWideAsync:
-      launch_config<PrefillWideAsyncConfig, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillAsyncK2N96:
-      launch_k_multiple<PrefillAsyncK2N96Config, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillAsyncK2N64:
-      launch_k_multiple<PrefillAsyncK2N64Config, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kPrefillAsyncK2N96E2:
-      launch_k_multiple<PrefillAsyncK2N96E2Config, kKind>(p, b_rows, stream);
-      return;
-    case GemmTile::kAuto:
-    case GemmTile::kAutoOverlap:
-    case GemmTile::kAutoSerial:
-      break;
-  }
-  MEGAMOE_CHECK_ARG(false, "sm90 gemm: tile: expected a GemmTile value, got ",
+  const bool known = with_tile_config(tile, [&](auto cfg, auto twin, auto k_rule) {
+    using Cfg = typename decltype(cfg)::type;
+    using Twin = typename decltype(twin)::type;
+    if constexpr (decltype(k_rule)::value == KRule::kAny) {
+      launch_config<Cfg, kKind>(p, b_rows, stream);
+    } else if constexpr (decltype(k_rule)::value == KRule::kTwin) {
+      launch_k_staged<Cfg, Twin, kKind>(p, b_rows, stream);
+    } else {
+      launch_k_multiple<Cfg, kKind>(p, b_rows, stream);
+    }
+  });
+  MEGAMOE_CHECK_ARG(known, "sm90 gemm: tile: expected a GemmTile value, got ",
                     static_cast<int>(tile));
 }
 
@@ -489,6 +498,22 @@ int64_t split_k_partial_floats() {
   // At most one unit per CTA slot (~4 MiB on an H200).
   return static_cast<int64_t>(cuda::device_info().sm_count) * kDecodeCtasPerSm *
          Decode16X2K2SplitConfig::kSplitUnitFloats;
+}
+
+TileTraits tile_traits(GemmTile tile) {
+  TileTraits t;
+  const bool known = with_tile_config(tile, [&](auto cfg, auto twin, auto k_rule) {
+    using Cfg = typename decltype(cfg)::type;
+    using Twin = typename decltype(twin)::type;
+    static_assert(Cfg::kOverlapConvert == Twin::kOverlapConvert, "a twin converts the same way");
+    t.needs_small_scales = Cfg::kOverlapConvert;
+    t.k_multiple = decltype(k_rule)::value == KRule::kMultiple
+                       ? Cfg::kKBlocksPerStage * sm90_layout::kBlockK
+                       : sm90_layout::kBlockK;
+  });
+  MEGAMOE_CHECK_ARG(known, "tile_traits: tile: expected a forced tile (not kAuto, kAutoOverlap or "
+                    "kAutoSerial), got ", static_cast<int>(tile));
+  return t;
 }
 
 namespace {

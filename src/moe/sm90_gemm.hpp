@@ -217,6 +217,16 @@ struct LaunchPlan {
 LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num_experts,
                          int64_t max_rows);
 
+// What a forced tile (not kAuto*) asks of a launch: weight scale bytes < 128 (its overlapped
+// mainloop's one-multiply conversion; L1Args::small_scales) and K (H for L1, I for L2) a multiple
+// of k_multiple (64 for every tile but those without a one-k-block twin, 128). Throws
+// kInvalidArgument for kAuto, kAutoOverlap, kAutoSerial and values that are not a GemmTile.
+struct TileTraits {
+  bool needs_small_scales = false;
+  int k_multiple = 64;
+};
+TileTraits tile_traits(GemmTile tile);
+
 // Whether every one of `bytes` scale bytes at device pointer `sf` is < 128 (weight scales
 // <= 2^0: L1Args / L2Args::small_scales). One pass over the bytes on `stream`, then a host
 // synchronization of it: for weight loading, not inside a layer call.

@@ -539,12 +539,6 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kPrefillAsyncK2,
                                           sm90::GemmTile::kPrefillAsyncK2N96};
 
-// Tiles without a one-k-block twin: K must be a multiple of 128.
-bool needs_k_multiple_of_128(sm90::GemmTile tile) {
-  return tile == sm90::GemmTile::kPrefillAsyncK2N96 || tile == sm90::GemmTile::kPrefillAsyncK2N64 ||
-         tile == sm90::GemmTile::kPrefillAsyncK2N96E2;
-}
-
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
 // (H = 320: 5, I = 192: 3), bias, all compared to the same reference.
@@ -553,7 +547,7 @@ void every_tile_case(sm90::GemmTile tile) {
   const Problem q = make_problem(320, 192, {5, 0, 200, 17, 300}, true, 9);
   run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile);
   run_l2_case(p, p.rows, true, tile);
-  if (needs_k_multiple_of_128(tile)) {  // K = 320 / 192: rejected, naming K
+  if (sm90::tile_traits(tile).k_multiple == 128) {  // K = 320 / 192: rejected, naming K
     EXPECT_THROW(run_l1_case(q, 1, Activation::situ(4.0f, 25.0f), false, false, tile), megamoe::Error);
     EXPECT_THROW(run_l2_case(q, 1, false, tile), megamoe::Error);
     return;
@@ -562,18 +556,9 @@ void every_tile_case(sm90::GemmTile tile) {
   run_l2_case(q, 1, false, tile);
 }
 
-// The tiles on the serial mainloop (two multiplies per converted register: any scale byte).
-// Every other forced tile is an overlapped one, which needs scale bytes < 128.
-constexpr sm90::GemmTile kSerialTiles[] = {sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16,
-                                           sm90::GemmTile::kPrefill, sm90::GemmTile::kDecode16X2,
-                                           sm90::GemmTile::kDecode8X2};
-bool serial_tile(sm90::GemmTile tile) {
-  return std::find(std::begin(kSerialTiles), std::end(kSerialTiles), tile) != std::end(kSerialTiles);
-}
-
 // Scale bytes on both sides of 128 (weights up to 6 x 2^18): kAuto (which then runs the serial
-// tiles) and the serial tiles compute them exactly; an overlapped tile forced on them is refused
-// with an error that names the scales, and launches nothing.
+// tiles) and the serial tiles compute them exactly; a tile whose traits say it needs small scales
+// (the overlapped ones) is refused with an error that names the scales, and launches nothing.
 // (W2: warps 0, 2 of each block see 110..145, warps 1, 3 only 110..127; W13 likewise by the
 // interleave.)
 void wide_scale_case(sm90::GemmTile tile) {
@@ -589,7 +574,8 @@ void wide_scale_case(sm90::GemmTile tile) {
   };
   respread(p.w13_sf, 2 * p.I, p.H);
   respread(p.w2_sf, p.H, p.I);
-  if (tile == sm90::GemmTile::kAuto || tile == sm90::GemmTile::kAutoSerial || serial_tile(tile)) {
+  if (tile == sm90::GemmTile::kAuto || tile == sm90::GemmTile::kAutoSerial ||
+      !sm90::tile_traits(tile).needs_small_scales) {
     run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
     run_l2_case(p, p.rows, false, tile);
     return;
@@ -685,6 +671,26 @@ TEST(Sm90Gemm, ScalesAllSmallFindsEveryLargeByte) {
 TEST(Sm90GemmOptIn, EveryTileConfig) {
   SKIP_WITHOUT_SM90();
   for (const sm90::GemmTile tile : kOptInTiles) every_tile_case(tile);
+}
+
+// tile_traits: the kAuto policies are not forced tiles; kAuto's own picks need small scales
+// (overlapped), the serial tiles do not. (The GPU tests above check each trait against what the
+// launcher does: the refusals on large scales and on K = 320 / 192.)
+TEST(Sm90GemmPlan, TileTraits) {
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kAuto, sm90::GemmTile::kAutoOverlap,
+                                    sm90::GemmTile::kAutoSerial, static_cast<sm90::GemmTile>(99)}) {
+    EXPECT_THROW(sm90::tile_traits(tile), megamoe::Error) << int(tile);
+  }
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode8X2K2, sm90::GemmTile::kDecode16X2K2Split,
+                                    sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillWideAsync}) {
+    EXPECT_TRUE(sm90::tile_traits(tile).needs_small_scales) << int(tile);
+    EXPECT_EQ(sm90::tile_traits(tile).k_multiple, 64) << int(tile);
+  }
+  EXPECT_EQ(sm90::tile_traits(sm90::GemmTile::kPrefillAsyncK2N96E2).k_multiple, 128);
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16,
+                                    sm90::GemmTile::kPrefill, sm90::GemmTile::kDecode8X2}) {
+    EXPECT_FALSE(sm90::tile_traits(tile).needs_small_scales) << int(tile);
+  }
 }
 
 TEST(Sm90GemmOptIn, ScalesAboveAndBelow128) {
