@@ -105,13 +105,9 @@ MEGAMOE_HD bool gate_admits(const GemmParams& p, int64_t rows, int hits) {
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
           int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false, bool kSplitK_ = false,
-          int kEpilogueWG_ = 1, bool kTwoInFlight_ = false>
+          int kEpilogueWG_ = 1>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
-  // kTwoInFlight (overlapped mainloop, four units per stage): three register sets, so that two
-  // units' wgmmas stay in flight while the next one converts (wait_group 1; Mainloop::
-  // run_two_in_flight).
-  static constexpr bool kTwoInFlight = kTwoInFlight_;
   static constexpr bool kAsyncEpilogue = kAsyncEpilogue_;
   // Warpgroups beside the math ones (setmaxnreg configs): the producer's, and with
   // kEpilogueWG = 2 a second one whose four warps also run the asynchronous epilogue.
@@ -312,10 +308,14 @@ using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
 //            serialized its wgmmas, so the serial one with the one-multiply conversion, 50
 //            registers) was 1.2-1.5x slower than this one at T = 1, 8 and 64 (H200, 69080eb):
 //            twice the warps per unit do not convert faster.
+//            NOTES (rejected, v15): the same tile with two units' wgmmas in flight (three register
+//            sets, wait_group 1 per unit, wait_group 0 every three stages; at 4 CTAs per SM ptxas
+//            serialized the wgmmas, C7512, so 3 per SM and 6 stages, 118 / 126 registers) passed
+//            the opt-in GPU tests and was slower at T = 1 (Kimi-K3 L2 40.5 against 36.5 us,
+//            DeepSeek-V3 L2 28.6 against 25.9) and T = 64 (1.01-1.05x), within the noise at T = 8
+//            (H200, 9bfdbf6): a quarter fewer CTAs per SM costs more than the second unit in
+//            flight gains.
 using Decode8X2K2Config = GemmConfig<1, 2, 8, 8, 4, 4, true, false, 2>;
-//   Decode8X2K2W1 (candidate): Decode8X2K2 with two units' wgmmas in flight (three register
-//            sets, wait_group 1 per unit, wait_group 0 every three stages).
-using Decode8X2K2W1Config = GemmConfig<1, 2, 8, 8, 6, 3, true, false, 2, false, false, 1, true>;
 using Decode8X2OverlapConfig = GemmConfig<1, 2, 8, 8, 8, 4, true>;
 //   Decode16X2K2Split / its twin: Decode16X2K2 (Decode16X2Overlap) taking k_splits: kAuto's tile
 //            for decode launches whose tiles leave at least half the CTA slots idle.

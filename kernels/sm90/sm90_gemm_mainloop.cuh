@@ -65,10 +65,7 @@ struct Mainloop {
                                              const uint8_t* smem_sf, uint64_t* full_bars,
                                              uint64_t* empty_bars, int num_k_blocks, int wg,
                                              int tid, int& stage, uint32_t& phase) {
-    if constexpr (Cfg::kTwoInFlight) {
-      run_two_in_flight<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg,
-                            tid, stage, phase);
-    } else if constexpr (Cfg::kOverlapConvert) {
+    if constexpr (Cfg::kOverlapConvert) {
       run_overlapped<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg,
                          tid, stage, phase);
     } else {
@@ -251,11 +248,11 @@ struct Mainloop {
   // One stage of the overlapped loop: its units' wgmmas, the conversion of each next unit (the
   // next stage's first one if has_next_stage, after waiting for its copies), and the release of
   // the stage. kStageParity: the set parity of the stage's first unit.
-  template <int kN, int kStageParity, bool kCopySets, int kSets = 2>
+  template <int kN, int kStageParity, bool kCopySets>
   __device__ __forceinline__ static void overlapped_stage(
       float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, ThreadAddrs addrs,
       uint64_t* full_bars, uint64_t* empty_bars, bool first_stage, bool has_next_stage, int stage,
-      uint32_t phase, BlockFrags (&frags)[kSets]) {
+      uint32_t phase, BlockFrags (&frags)[2]) {
     constexpr int kKSub = Cfg::kKBlocksPerStage;
     // k16 step s of k-block j starts 32 bytes further into each 128-byte swizzled row of box j
     // (descriptor units of 16 B). Descriptors and the scale-d flag are computed before the
@@ -376,102 +373,6 @@ struct Mainloop {
       }
     } else {
       stage_loop(std::true_type{});
-    }
-  }
-
-  // ---- two units in flight (Cfg::kTwoInFlight; four units per stage): the units' A fragments
-  // rotate over three register sets, unit g of a three-stage group in set g % 3, so when unit u's
-  // wgmmas are issued and unit u + 1 converts, unit u - 1's may still run: wait_group 1 after
-  // each unit (unit u - 1 done: its set is the next one written, and the stage whose last unit
-  // it was is released), wait_group 0 at the end of each group, so no wgmma is in flight over
-  // the loop's back edge (ptxas keeps the wgmmas asynchronous only then). The first
-  // num_k_stages % 3 stages run the one-in-flight stage of run_overlapped (they leave the next
-  // unit in set 0, as a group expects).
-  template <int kN>
-  __device__ __forceinline__ static void run_two_in_flight(
-      float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
-      const uint8_t* smem_sf, uint64_t* full_bars, uint64_t* empty_bars, int num_k_blocks, int wg,
-      int tid, int& stage, uint32_t& phase) {
-    static_assert(kUnitsPerStage == 4 && Cfg::kKBlocksPerStage == 2, "four units per stage");
-    static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "wgmma N");
-    constexpr int kGroupStages = 3, kGroupUnits = kGroupStages * kUnitsPerStage;
-    const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
-    const ThreadAddrs addrs = thread_addrs(smem_a, smem_sf, wg, tid);
-    BlockFrags frags[3];
-    ptx::mbar_wait(&full_bars[stage], phase);
-    {
-      const ThreadAddrs first = at_stage(addrs, stage);
-      load_convert_block(first.a, first.sf, frags[0]);
-    }
-    auto advance = [&] {
-      if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
-    };
-    int ks = 0;
-    for (; ks < num_k_stages % kGroupStages; ++ks) {
-      overlapped_stage<kN, 0, false, 3>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0,
-                                        ks + 1 < num_k_stages, stage, phase, frags);
-      advance();
-    }
-    for (; ks < num_k_stages; ks += kGroupStages) {
-      // Pipeline positions of the group's three stages.
-      int g_stage[kGroupStages];
-      uint32_t g_phase[kGroupStages];
-#pragma unroll
-      for (int i = 0; i < kGroupStages; ++i) {
-        g_stage[i] = stage;
-        g_phase[i] = phase;
-        advance();
-      }
-      const bool has_next_group = ks + kGroupStages < num_k_stages;
-      uint32_t desc_stage[kGroupStages];
-#pragma unroll
-      for (int i = 0; i < kGroupStages; ++i) {
-        desc_stage[i] = __shfl_sync(
-            0xFFFFFFFFu, ptx::smem_desc_k128b_lo(smem_b + g_stage[i] * Cfg::kSmemBBytes), 0);
-      }
-#pragma unroll
-      for (int u = 0; u < kGroupUnits; ++u) {
-        const int gs = u / kUnitsPerStage, within = u % kUnitsPerStage;
-        const int j = within / kMBlocksPerWG, sub = within % kMBlocksPerWG;
-        uint32_t desc[kSteps];
-#pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-          desc[s] = desc_stage[gs] + static_cast<uint32_t>((j * Cfg::kSmemBBoxBytes +
-                                                             s * sm90_layout::kStepK * 2) / 16);
-        }
-        const uint32_t scale_d0 = ks != 0 || gs != 0 || j != 0 ? 1u : 0u;
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-          ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
-              acc[sub], frags[u % 3][s], desc[s], s == 0 ? scale_d0 : 1u);
-        }
-        ptx::wgmma_commit();
-        // Convert unit u + 1 (the next group's first one in set 0: 12 % 3 == 0).
-        const int nu = u + 1;
-        if (nu < kGroupUnits) {
-          const int ngs = nu / kUnitsPerStage, nwithin = nu % kUnitsPerStage;
-          const int nj = nwithin / kMBlocksPerWG, nsub = nwithin % kMBlocksPerWG;
-          if (nwithin == 0) ptx::mbar_wait(&full_bars[g_stage[ngs]], g_phase[ngs]);
-          const ThreadAddrs here = at_stage(addrs, g_stage[ngs]);
-          load_convert_block(here.a + a_offset(nsub, nj), here.sf + sf_offset(nsub, nj),
-                             frags[nu % 3]);
-        } else if (has_next_group) {  // uniform over the warpgroup
-          ptx::mbar_wait(&full_bars[stage], phase);
-          const ThreadAddrs next = at_stage(addrs, stage);
-          load_convert_block(next.a, next.sf, frags[0]);
-        }
-        if (u + 1 < kGroupUnits) {
-          ptx::wgmma_wait<1>();
-          // Unit u - 1 is done: release its stage when it was that stage's last unit.
-          if (u >= 1 && (u - 1) % kUnitsPerStage == kUnitsPerStage - 1) {
-            ptx::mbar_arrive(&empty_bars[g_stage[(u - 1) / kUnitsPerStage]]);
-          }
-        } else {
-          ptx::wgmma_wait<0>();
-          ptx::mbar_arrive(&empty_bars[g_stage[kGroupStages - 1]]);
-        }
-      }
     }
   }
 

@@ -297,9 +297,6 @@ bool with_tile_config(GemmTile tile, F&& f) {
     case GemmTile::kDecode8X2K2:
       twin(TypeTag<Decode8X2K2Config>{}, TypeTag<Decode8X2OverlapConfig>{});
       return true;
-    case GemmTile::kDecode8X2K2W1:
-      twin(TypeTag<Decode8X2K2W1Config>{}, TypeTag<Decode8X2OverlapConfig>{});
-      return true;
     case GemmTile::kPrefillAsyncK2:
       twin(TypeTag<PrefillAsyncK2Config>{}, TypeTag<PrefillAsyncK2TwinConfig>{});
       return true;

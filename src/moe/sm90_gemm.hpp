@@ -78,7 +78,6 @@ enum class GemmTile : int {
   kDecode16X2K2Split = 29,   // kDecode16X2K2 taking k_splits (split-K; the only tile that does)
   kDecode8X2K2 = 30,         // 128 x 8, overlapped, two k-blocks per stage, 4 stages (kAuto's
                              // decode tile at <= 4 rows per expert with a unit counter)
-  kDecode8X2K2W1 = 45,       // kDecode8X2K2 with two units' wgmmas in flight (candidate)
   // 33 was kPrefillK2 with at most 96 token rows and 4 stages, removed: no faster than 25 or 34
   // (H200, 3f7d1ed).
   kPrefillAsyncK2N96 = 34,   // kPrefillAsyncK2 with at most 96 token rows, 3 stages (K % 128 == 0)

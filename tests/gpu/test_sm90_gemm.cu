@@ -537,8 +537,7 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N96,
-                                          sm90::GemmTile::kDecode8X2K2W1};
+                                          sm90::GemmTile::kPrefillAsyncK2N96};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -710,11 +709,6 @@ TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
     run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
     run_l2_case(p, p.rows, false, tile);
   }
-  // The two-in-flight candidate in three-stage groups: K = 768 (6 stages: two groups) and 384
-  // (3 stages: one group), besides the 512 / 256 of the every-tile suite (1 + 3 and 2 + 0).
-  const Problem q = make_problem(768, 384, {3, 0, 9, 1, 40}, true, 14);
-  run_l1_case(q, q.rows, Activation::swiglu(), true, true, sm90::GemmTile::kDecode8X2K2W1);
-  run_l2_case(q, q.rows, true, sm90::GemmTile::kDecode8X2K2W1);
 }
 
 // Split-K (tile kDecode16X2K2Split, kAuto's when a decode launch has few tiles): 1..4 K parts
@@ -1016,7 +1010,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X4K2);
         variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
         if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2);  // kAuto's at avg <= 4 rows
-        if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2W1);  // candidate
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
