@@ -886,6 +886,22 @@ void print_timeline(const std::string& label, double event_us) {
   std::sort(ends.begin(), ends.end());
   printf("\n[timeline]   last end per SM: min %.1f p50 %.1f max %.1f (%d SMs)\n", ends.front(),
          ends[ends.size() / 2], ends.back(), max_sm + 1);
+  // SMs grouped by the units their CTAs ran: whether the SMs with more units end last.
+  std::vector<int> sm_units(max_sm + 1, 0);
+  for (int c = 0; c < ctas; ++c) sm_units[int(at(c, d::kSmid)) & 1023] += int(at(c, d::kUnits));
+  std::vector<int> g_count(64, 0);
+  std::vector<double> g_end(64, 0), g_max(64, 0);
+  for (int sm = 0; sm <= max_sm; ++sm) {
+    const int g = std::min(63, sm_units[sm]);
+    ++g_count[g];
+    g_end[g] += sm_end[sm];
+    g_max[g] = std::max(g_max[g], sm_end[sm]);
+  }
+  printf("[timeline]   SMs by units run (units: SMs, mean / max last end us):");
+  for (int g = 0; g < 64; ++g) {
+    if (g_count[g]) printf(" %d:(%d, %.1f / %.1f)", g, g_count[g], g_end[g] / g_count[g], g_max[g]);
+  }
+  printf("\n");
 }
 #endif
 
