@@ -118,7 +118,6 @@ struct GemmConfig {
   static constexpr int kMBlocksPerWG = kMBlocksPerWG_;
   static constexpr int kMBlocksPerCta = kNumMathWG * kMBlocksPerWG;
   static constexpr int kBlockM = sm90_layout::kBlockRows * kMBlocksPerCta;
-
   static constexpr int kBlockN = kBlockN_;    // token rows per tile (TMA box rows)
   static constexpr int kNStep = kNStep_;      // granularity of the per-tile wgmma N
   static constexpr int kNumStages = kNumStages_;
@@ -189,13 +188,6 @@ struct GemmConfig {
   static constexpr bool kSupportsSplitK = kSplitK_;
   // FP32 partials of one work unit: the warpgroup's accumulators, [block][BLOCK_N / 2][thread].
   static constexpr int kSplitUnitFloats = kMBlocksPerWG * (kBlockN / 2) * kWarpgroupThreads;
-  // Half tiles (the 128-row overlapped decode tiles): when a launch has fewer tiles than CTAs and
-  // runs unsplit, the last (CTAs - tiles) tiles run as two units of one 64-row block each, so
-  // every CTA has one unit and the SMs' shares of the weight blocks differ by at most one block
-  // instead of a whole tile (kernel: half_tiles). A unit of one block skips the other block's
-  // conversion (its wgmmas still run, on stale registers, into accumulators never stored).
-  static constexpr bool kHalfTiles = kOverlapConvert && kNumMathWG == 1 && kMBlocksPerWG == 2 &&
-                                     !kAsyncEpilogue && kMinBlocksPerSM > 1;
 
   static constexpr size_t smem_bytes(int num_experts) {
     return kAlignSlack + kOffSchedule + 2 * sizeof(int32_t) * static_cast<size_t>(num_experts + 1);

@@ -59,17 +59,15 @@ struct Mainloop {
 
   // Runs the K loop of one tile with wgmma N = kN. acc[sub] receives the m64 x kN accumulators.
   // stage/phase carry the pipeline position across tiles.
-  // kValid: the tile's weight blocks this warpgroup converts (< kMBlocksPerWG only for the half
-  // tiles of Cfg::kHalfTiles: the other blocks' wgmmas run on stale registers, never stored).
-  template <int kN, int kValid = kMBlocksPerWG>
+  template <int kN>
   __device__ __forceinline__ static void run(float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2],
                                              uint8_t* smem_b, const uint8_t* smem_a,
                                              const uint8_t* smem_sf, uint64_t* full_bars,
                                              uint64_t* empty_bars, int num_k_blocks, int wg,
                                              int tid, int& stage, uint32_t& phase) {
     if constexpr (Cfg::kOverlapConvert) {
-      run_overlapped<kN, kValid>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks,
-                                 wg, tid, stage, phase);
+      run_overlapped<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg,
+                         tid, stage, phase);
     } else {
       run_serial<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg, tid,
                      stage, phase);
@@ -250,7 +248,7 @@ struct Mainloop {
   // One stage of the overlapped loop: its units' wgmmas, the conversion of each next unit (the
   // next stage's first one if has_next_stage, after waiting for its copies), and the release of
   // the stage. kStageParity: the set parity of the stage's first unit.
-  template <int kN, int kStageParity, bool kCopySets, int kValid>
+  template <int kN, int kStageParity, bool kCopySets>
   __device__ __forceinline__ static void overlapped_stage(
       float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, ThreadAddrs addrs,
       uint64_t* full_bars, uint64_t* empty_bars, bool first_stage, bool has_next_stage, int stage,
@@ -295,10 +293,8 @@ struct Mainloop {
         }
         ptx::wgmma_commit();
         if (sub + 1 < kMBlocksPerWG) {
-          if (sub + 1 < kValid) {  // (constant once the loop is unrolled)
-            load_convert_block(here.a + a_offset(sub + 1, j), here.sf + sf_offset(sub + 1, j),
-                               frags[nxt]);
-          }
+          load_convert_block(here.a + a_offset(sub + 1, j), here.sf + sf_offset(sub + 1, j),
+                             frags[nxt]);
         } else if (j + 1 < kKSub) {
           load_convert_block(here.a + a_offset(0, j + 1), here.sf + sf_offset(0, j + 1),
                              frags[nxt]);
@@ -325,7 +321,7 @@ struct Mainloop {
     ptx::mbar_arrive(&empty_bars[stage]);
   }
 
-  template <int kN, int kValid>
+  template <int kN>
   __device__ __forceinline__ static void run_overlapped(
       float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
       const uint8_t* smem_sf, uint64_t* full_bars, uint64_t* empty_bars, int num_k_blocks, int wg,
@@ -358,7 +354,7 @@ struct Mainloop {
     auto stage_loop = [&](auto copy_tag) {
       constexpr bool kCopy = decltype(copy_tag)::value;
       for (int ks = 0; ks < num_k_stages; ++ks) {
-        overlapped_stage<kN, 0, kCopy, kValid>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0,
+        overlapped_stage<kN, 0, kCopy>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0,
                                        ks + 1 < num_k_stages, stage, phase, frags);
         advance();
       }
@@ -368,10 +364,10 @@ struct Mainloop {
     } else if (num_k_stages % 2 == 0) {
       // Two stages per iteration: the second stage's units start on the odd set.
       for (int ks = 0; ks < num_k_stages; ks += 2) {
-        overlapped_stage<kN, 0, false, kValid>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0, true,
+        overlapped_stage<kN, 0, false>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0, true,
                                        stage, phase, frags);
         advance();
-        overlapped_stage<kN, 1, false, kValid>(acc, smem_b, addrs, full_bars, empty_bars, false,
+        overlapped_stage<kN, 1, false>(acc, smem_b, addrs, full_bars, empty_bars, false,
                                        ks + 2 < num_k_stages, stage, phase, frags);
         advance();
       }

@@ -72,23 +72,6 @@ __device__ __forceinline__ int split_k_units(const GemmParams& p, int num_tiles)
   }
 }
 
-// Tiles that run as two one-block units (Cfg::kHalfTiles; the same answer in every CTA): with
-// fewer tiles than CTAs in an unsplit launch of whole 128-row tiles, (CTAs - tiles) of them, at
-// most all, so that every CTA has a unit. Why: a one-wave decode launch (e.g. 448 tiles on 528
-// CTAs, DeepSeek-V3 / Kimi-K3 L2 at T = 1) otherwise gives 52 SMs four units and 80 SMs three,
-// and the SMs with four end last (~1.2x later; MEGAMOE_DIAG_TIMELINE, tuning log v15); with
-// 80 tiles halved, the SMs get 3.5 or 3 tiles' worth (in the placement order of the CTAs).
-template <class Cfg>
-__device__ __forceinline__ int half_tiles(int num_tiles, int splits, int total_m_blocks,
-                                          int num_ctas) {
-  if constexpr (!Cfg::kHalfTiles) {
-    return 0;
-  } else {
-    if (splits != 1 || total_m_blocks % 2 != 0 || num_tiles >= num_ctas) return 0;
-    return min(num_ctas - num_tiles, num_tiles);
-  }
-}
-
 // Split-K hand-off after unit (tile t, part sp) has accumulated its K part: stores the part,
 // and returns true in the tile's last unit to arrive, with acc = the parts summed in split order
 // (part 0 + part 1 + ..., whichever unit arrives last: deterministic). Called by the whole math
@@ -254,28 +237,10 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   // kKBlocksPerStage stages (the launcher keeps parts <= S, so no part is empty); the producer
   // and the math warpgroups both take their k range from it.
   const int splits = split_k_units<Cfg>(p, num_tiles);
-  // Half tiles (Cfg::kHalfTiles): the last `halves` tiles run as two one-block units each (units
-  // whole + 2 i and whole + 2 i + 1: tile whole + i, blocks 0 and 1), so that a one-wave launch
-  // has one unit per CTA. Only unsplit launches of whole 128-row tiles.
-  const int halves = half_tiles<Cfg>(num_tiles, splits, total_m_blocks, gridDim.x);
-  const int num_units = num_tiles * splits + halves;
+  const int num_units = num_tiles * splits;
   const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
   auto k_begin = [&](int sp, int parts) {
     return sp * num_k_stages / parts * Cfg::kKBlocksPerStage;
-  };
-  // Unit u's tile (one block of it for a half) and K part.
-  auto unit_tile = [&](int u, int& sp) {
-    const int whole = num_tiles - halves;
-    if (halves == 0 || u < whole) {
-      sp = u % splits;
-      return sched.get(u / splits);
-    }
-    sp = 0;
-    const int h = u - whole;
-    TileInfo t = sched.get(whole + h / 2);
-    t.m_block0 += h % 2;
-    t.num_m_blocks = 1;
-    return t;
   };
 
   if (wg >= Cfg::kNumMathWG) {
@@ -354,10 +319,9 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     if (prefetch) {
       const int u = blockIdx.x;
       if (u < num_units) {
-        int sp;
-        const TileInfo tile = unit_tile(u, sp);
-        const int kb_end = k_begin(sp + 1, splits);
-        for (int kb = k_begin(sp, splits); kb < kb_end && ahead < Cfg::kNumStages;
+        const TileInfo tile = sched.get(u / splits);
+        const int kb_end = k_begin(u % splits + 1, splits);
+        for (int kb = k_begin(u % splits, splits); kb < kb_end && ahead < Cfg::kNumStages;
              kb += kKSub) {
           copy_weights(tile, kb, ahead++);
         }
@@ -372,9 +336,8 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     uint32_t phase = 0;
     int u = blockIdx.x;
     while (u < num_units) {
-      int sp;
-      const TileInfo tile = unit_tile(u, sp);
-      const int kb_begin = k_begin(sp, splits), kb_end = k_begin(sp + 1, splits);
+      const TileInfo tile = sched.get(u / splits);
+      const int kb_begin = k_begin(u % splits, splits), kb_end = k_begin(u % splits + 1, splits);
       for (int kb = kb_begin; kb < kb_end; kb += kKSub) {
         if (ahead > 0) {
           --ahead;  // weights already issued (same unit, k-block and stage)
@@ -430,36 +393,25 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       ptx::mbar_wait(&full_bars[stage], phase);
       return static_cast<int>(s_stage_unit[stage]);
     };
-    for (int u = blockIdx.x; u >= 0 && u < sched.total_tiles() * live_splits() + halves;
-         u = next_unit(u)) {
+    for (int u = blockIdx.x; u >= 0 && u < sched.total_tiles() * live_splits(); u = next_unit(u)) {
       ++units_done;
       const int n_splits = live_splits();
-      int sp;
-      const TileInfo tile = unit_tile(u, sp);
-      const int unit_k_blocks = k_begin(sp + 1, n_splits) - k_begin(sp, n_splits);
+      const TileInfo tile = sched.get(u / n_splits);
+      const int unit_k_blocks = k_begin(u % n_splits + 1, n_splits) - k_begin(u % n_splits, n_splits);
       bool valid[Cfg::kMBlocksPerWG];
 #pragma unroll
       for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
         valid[sub] = wg * Cfg::kMBlocksPerWG + sub < tile.num_m_blocks;
       }
       dispatch_n<Cfg::kNStep, Cfg::kBlockN>(tile.num_rows, [&](auto n_tag) {
-        constexpr int kN = decltype(n_tag)::value;
-        if constexpr (Cfg::kHalfTiles) {
-          // A branch around the whole mainloop (none inside it), as for the wgmma N.
-          if (tile.num_m_blocks == 1) {
-            ML::template run<kN, 1>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars,
-                                    unit_k_blocks, wg, tid, stage, phase);
-            return;
-          }
-        }
-        ML::template run<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, unit_k_blocks,
-                             wg, tid, stage, phase);
+        ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
+                                                  empty_bars, unit_k_blocks, wg, tid, stage, phase);
       });
       if (wg == 0 && tid == 0 && u == static_cast<int>(blockIdx.x)) diag::stamp(diag::kFirstUnitDone);
       if constexpr (Cfg::kSupportsSplitK) {
         const int n_splits = live_splits();
         if (n_splits > 1 &&
-            !split_k_reduce<Cfg>(p, acc, u / n_splits, sp, n_splits, wg, tid)) {
+            !split_k_reduce<Cfg>(p, acc, u / n_splits, u % n_splits, n_splits, wg, tid)) {
           continue;
         }
       }

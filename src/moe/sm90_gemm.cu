@@ -70,6 +70,12 @@ int split_k_parts(int64_t tiles, int64_t slots, int64_t stages) {
 // slower, every CTA paying its cut tiles' hand-offs) nor per SM (the last slots - tiles tiles in
 // two K parts, one unit per slot: Kimi-K3 L2 42.9 against 42.9 us, DeepSeek-V3 L2 30.6 against
 // 29.9; 64e566b) moved the last CTAs' end: the tail is not the tile count per SM.
+// NOTES (rejected, v15): the timeline of the 128 x 8 tile at T = 1 (DeepSeek-V3 L2, 448 tiles)
+// shows the 52 SMs that run four units ending at 25.5 us on average against 20.8 for the 80 that
+// run three (Kimi-K3 L2 35.4 / 29.1; bench/results/timeline_2e72c98.txt). Halving the last
+// (slots - tiles) tiles in M instead of K (two one-block units, no hand-off, the missing block's
+// conversion skipped; every SM then 3 or 3.5 tiles' worth) measured 0.97-1.01x (H200, f63a1d1,
+// bench/results/gemm_ab_f63a1d1_*.txt): four CTAs busy on every SM convert no faster in total.
 
 // Fraction of the CTA slots busy over the waves of a persistent launch of `tiles` tiles.
 double wave_fill(int64_t tiles, int64_t slots) {
