@@ -222,13 +222,15 @@ void launch_k_multiple(const GemmParams& p, const uint16_t* b_rows, cudaStream_t
   launch_config<Cfg, kKind>(p, b_rows, stream);
 }
 
-// kAuto picks among the overlapped-mainloop configs unless MEGAMOE_SM90_GEMM_OVERLAP=0.
-bool overlap_by_default() {
+// kAuto picks among the overlapped-mainloop configs unless MEGAMOE_SM90_GEMM_OVERLAP=0 or the
+// weights have a scale byte >= 128 (GemmParams::small_scales: their one-multiply conversion is
+// exact only below), else among the serial ones.
+bool auto_overlaps(const GemmParams& p) {
   static const bool on = [] {
     const char* v = std::getenv("MEGAMOE_SM90_GEMM_OVERLAP");
     return v == nullptr || std::strcmp(v, "0") != 0;
   }();
-  return on;
+  return on && p.small_scales != 0;
 }
 
 // MEGAMOE_SM90_GEMM_TILE=<GemmTile number> (read once per process) replaces kAuto's choice in
@@ -325,8 +327,7 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
   if (auto_splits) p.k_splits = 1;
   if (tile == GemmTile::kAuto) tile = forced_tile();
   if (tile == GemmTile::kAuto) {
-    tile = overlap_by_default() && p.small_scales != 0 ? GemmTile::kAutoOverlap
-                                                       : GemmTile::kAutoSerial;
+    tile = auto_overlaps(p) ? GemmTile::kAutoOverlap : GemmTile::kAutoSerial;
   }
   if (tile == GemmTile::kAutoSerial || tile == GemmTile::kAutoOverlap) {
     const bool overlap = tile == GemmTile::kAutoOverlap;
@@ -446,7 +447,7 @@ template <GemmKind kKind>
 void launch(const GemmParams& p, int64_t rows_hint, int64_t rows_per_expert_max, GemmTile tile,
             const uint16_t* b_rows, cudaStream_t stream) {
   const bool autotile = tile == GemmTile::kAuto && forced_tile() == GemmTile::kAuto &&
-                        overlap_by_default() && p.small_scales != 0;
+                        auto_overlaps(p);
   if (!autotile) {
     launch_one<kKind>(p, rows_hint, tile, b_rows, stream);
     return;
