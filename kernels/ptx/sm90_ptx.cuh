@@ -202,6 +202,27 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_row_addr, uint32
                ::"r"(smem_row_addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
+// Loads four 8x8 b16 matrices in the mma fragment layout (lane l gets row l / 4, columns
+// 2 (l % 4) + {0, 1} of matrix j in register j); lane 8 j + r gives the 16-byte aligned address
+// of row r of matrix j. Volatile: never moved above the barrier wait that makes the rows valid.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t smem_row_addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_row_addr));
+}
+
+// d += a x b, the warp-level tensor-core MMA m16n8k16 with BF16 operands and FP32 accumulators.
+// Fragments: a[0..3] rows g / g + 8 (odd registers) and k 2t + {0, 1} / + 8 (registers 2, 3), the
+// wgmma RS A layout of one warp's 16 rows; b0 / b1 column g, k 2t + {0, 1} / + 8; d[0..3] rows
+// g / g + 8 (d[2], d[3]), columns 2t + {0, 1}, the wgmma accumulator layout of one n8 chunk.
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4],
+                                                  uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Loads at a shared-window address (smem_addr): the mainloop keeps its per-thread offsets as
 // such addresses and adds only compile-time and stage offsets per load.
 __device__ __forceinline__ uint4 ld_shared_v4_at(uint32_t addr) {

@@ -105,9 +105,13 @@ MEGAMOE_HD bool gate_admits(const GemmParams& p, int64_t rows, int hits) {
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
           int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false, bool kSplitK_ = false,
-          int kEpilogueWG_ = 1>
+          int kEpilogueWG_ = 1, bool kWarpMma_ = false>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
+  // kWarpMma: the overlapped configs' conversion feeding warp-level MMAs (mma.sync m16n8k16, B
+  // fragments by ldmatrix) instead of wgmma: every warp runs its own 16 rows, with no warpgroup
+  // fence, descriptor or wait_group per weight block (Mainloop::run_warp).
+  static constexpr bool kWarpMma = kWarpMma_;
   static constexpr bool kAsyncEpilogue = kAsyncEpilogue_;
   // Warpgroups beside the math ones (setmaxnreg configs): the producer's, and with
   // kEpilogueWG = 2 a second one whose four warps also run the asynchronous epilogue.
@@ -209,6 +213,8 @@ struct GemmConfig {
   static_assert(kNumMathWG * 4 <= 15, "named barriers 1..kNumMathWG");
   static_assert(kKBlocksPerStage >= 1 && (kKBlocksPerStage == 1 || kOverlapConvert),
                 "several k-blocks per stage: overlapped mainloop only");
+  static_assert(!kWarpMma || (kOverlapConvert && !kAsyncEpilogue),
+                "warp-level MMAs: the overlapped conversion, no asynchronous epilogue");
   static_assert(kEpilogueWG == 1 || (kEpilogueWG == 2 && kAsyncEpilogue),
                 "a second epilogue warpgroup: asynchronous epilogue only");
   static_assert(!kSplitK_ || (kNumMathWG == 1 && !kAsyncEpilogue),
@@ -319,6 +325,12 @@ using Decode8X2K2Config = GemmConfig<1, 2, 8, 8, 4, 4, true, false, 2>;
 using Decode8X2OverlapConfig = GemmConfig<1, 2, 8, 8, 8, 4, true>;
 //   Decode16X2K2Split / its twin: Decode16X2K2 (Decode16X2Overlap) taking k_splits: kAuto's tile
 //            for decode launches whose tiles leave at least half the CTA slots idle.
+//   Decode8X2K2Warp / Decode16X2K2Warp (candidates, tiles 46 / 47, with their one-k-block
+//            twins): Decode8X2K2 / Decode16X2K2 on warp-level MMAs (GemmConfig::kWarpMma).
+using Decode8X2K2WarpConfig = GemmConfig<1, 2, 8, 8, 4, 4, true, false, 2, false, false, 1, true>;
+using Decode8X2OverlapWarpConfig = GemmConfig<1, 2, 8, 8, 8, 4, true, false, 1, false, false, 1, true>;
+using Decode16X2K2WarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, false, 1, true>;
+using Decode16X2OverlapWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, false, 1, true>;
 using Decode16X2K2SplitConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true>;
 using Decode16X2OverlapSplitConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true>;
 //   PrefillK2: the staged 256 x 128 prefill tile with two k-blocks per stage (3 stages of 49 KiB):

@@ -65,7 +65,10 @@ struct Mainloop {
                                              const uint8_t* smem_sf, uint64_t* full_bars,
                                              uint64_t* empty_bars, int num_k_blocks, int wg,
                                              int tid, int& stage, uint32_t& phase) {
-    if constexpr (Cfg::kOverlapConvert) {
+    if constexpr (Cfg::kWarpMma) {
+      run_warp<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg, tid,
+                   stage, phase);
+    } else if constexpr (Cfg::kOverlapConvert) {
       run_overlapped<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg,
                          tid, stage, phase);
     } else {
@@ -373,6 +376,77 @@ struct Mainloop {
       }
     } else {
       stage_loop(std::true_type{});
+    }
+  }
+
+  // ---- warp-level MMA mainloop (Cfg::kWarpMma): per stage, each warp converts its 16 rows of
+  // every weight block (load_convert_block: the same fragments, which are the A layout of
+  // mma.sync m16n8k16 as well) and multiplies them with mma.sync; the B fragments of each k-block
+  // come from the 128B-swizzled stage by ldmatrix, once per warp for all its weight blocks.
+  // No warpgroup fence, descriptor or wait_group: the four warps of the warpgroup run
+  // independently and the stage is released as soon as its shared memory has been read.
+  template <int kN>
+  __device__ __forceinline__ static void run_warp(float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2],
+                                                  uint8_t* smem_b, const uint8_t* smem_a,
+                                                  const uint8_t* smem_sf, uint64_t* full_bars,
+                                                  uint64_t* empty_bars, int num_k_blocks, int wg,
+                                                  int tid, int& stage, uint32_t& phase) {
+    static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "mma N");
+    constexpr int kChunks = kN / 8;  // n8 chunks of token rows
+    constexpr int kKSub = Cfg::kKBlocksPerStage;
+#pragma unroll
+    for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
+#pragma unroll
+      for (int i = 0; i < kN / 2; ++i) acc[sub][i] = 0.0f;
+    }
+    const ThreadAddrs addrs = thread_addrs(smem_a, smem_sf, wg, tid);
+    // ldmatrix row addresses: lane 8 q + r reads token row r (of each n8 chunk) at k-chunk q of
+    // a pair of k16 steps (16 bytes each; steps 2 p, 2 p + 1 are k-chunks 4 p + q). The TMA's
+    // 128-byte swizzle stores chunk c of row r at chunk c ^ (r % 8) of the row (each box is
+    // 1024-aligned, rows 128 bytes), so pair p is the pair-0 address with bit 6 flipped.
+    const int lane = tid % 32, r = lane % 8, q = lane / 8;
+    const uint32_t b_lane = ptx::smem_addr(smem_b) + static_cast<uint32_t>(r * 128 + ((q ^ r) << 4));
+    const int num_k_stages = num_k_blocks / kKSub;
+    for (int ks = 0; ks < num_k_stages; ++ks) {
+      ptx::mbar_wait(&full_bars[stage], phase);
+      const ThreadAddrs here = at_stage(addrs, stage);
+      const uint32_t b_stage = b_lane + static_cast<uint32_t>(stage * Cfg::kSmemBBytes);
+#pragma unroll
+      for (int j = 0; j < kKSub; ++j) {
+        // bf[s][c][0 / 1]: k16 step s, chunk c.
+        uint32_t bf[kSteps][kChunks][2];
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+          for (int pair = 0; pair < kSteps / 2; ++pair) {
+            uint32_t m[4];
+            ptx::ldmatrix_x4((b_stage + static_cast<uint32_t>(j * Cfg::kSmemBBoxBytes + c * 8 * 128)) ^
+                                 static_cast<uint32_t>(pair * 64),
+                             m);
+            bf[2 * pair][c][0] = m[0];
+            bf[2 * pair][c][1] = m[1];
+            bf[2 * pair + 1][c][0] = m[2];
+            bf[2 * pair + 1][c][1] = m[3];
+          }
+        }
+#pragma unroll
+        for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
+          BlockFrags frags;
+          load_convert_block(here.a + a_offset(sub, j), here.sf + sf_offset(sub, j), frags);
+#pragma unroll
+          for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+            for (int c = 0; c < kChunks; ++c) {
+              float(&d)[4] = *reinterpret_cast<float(*)[4]>(&acc[sub][4 * c]);
+              ptx::mma_m16n8k16_bf16(d, frags[s], bf[s][c][0], bf[s][c][1]);
+            }
+          }
+        }
+      }
+      // Every math thread arrives, as in the overlapped loop: the arrival releases, so this
+      // thread's shared-memory reads of the stage are ordered before the producer's next copy.
+      ptx::mbar_arrive(&empty_bars[stage]);
+      if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
     }
   }
 

@@ -312,6 +312,12 @@ bool with_tile_config(GemmTile tile, F&& f) {
     case GemmTile::kPrefillAsyncK2N96: multiple(TypeTag<PrefillAsyncK2N96Config>{}); return true;
     case GemmTile::kPrefillAsyncK2N64: multiple(TypeTag<PrefillAsyncK2N64Config>{}); return true;
     case GemmTile::kPrefillAsyncK2N96E2: multiple(TypeTag<PrefillAsyncK2N96E2Config>{}); return true;
+    case GemmTile::kDecode8X2K2Warp:
+      twin(TypeTag<Decode8X2K2WarpConfig>{}, TypeTag<Decode8X2OverlapWarpConfig>{});
+      return true;
+    case GemmTile::kDecode16X2K2Warp:
+      twin(TypeTag<Decode16X2K2WarpConfig>{}, TypeTag<Decode16X2OverlapWarpConfig>{});
+      return true;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
     case GemmTile::kAutoSerial:

@@ -86,6 +86,8 @@ enum class GemmTile : int {
   // 192 x 128), removed: no faster than 34 or 28 (H200, 550f76a).
   kPrefillAsyncK2N96E2 = 38, // kPrefillAsyncK2N96 with a second epilogue warpgroup (7 epilogue
                              // warps; kAuto's tile at 41-80 rows; K % 128 == 0)
+  kDecode8X2K2Warp = 46,     // kDecode8X2K2 on warp-level MMAs (mma.sync; candidate)
+  kDecode16X2K2Warp = 47,    // kDecode16X2K2 on warp-level MMAs (candidate)
   // 39 was kPrefillWideAsync with the second epilogue warpgroup, removed: 0.99-1.02x (H200,
   // a275c59). 41 (kPrefillWideAsync with two k-blocks per stage) and 42 (kPrefillAsyncK2N64 with
   // the second epilogue warpgroup) were candidates, removed: slower or no faster (H200, 0a483df).
@@ -102,9 +104,9 @@ enum class GemmTile : int {
   // no faster at T = 1 (H200, 64e566b); a stream-K version of it, slower, never shipped.
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
-  // (17, 18, 20, 25, 27, 30, 29: when K is not a multiple of 128 they run as their one-k-block
-  // twins, 13, 15, 16, 9, the 5-stage async 256 x 128 tile, the 8-stage 128 x 8 overlapped tile,
-  // and 13 with split-K)
+  // (17, 18, 20, 25, 27, 30, 29, 46, 47: when K is not a multiple of 128 they run as their
+  // one-k-block twins, 13, 15, 16, 9, the 5-stage async 256 x 128 tile, the 8-stage 128 x 8
+  // overlapped tile, 13 with split-K, and the one-k-block warp-MMA tiles)
 };
 
 // Split-K workspace (optional). kAuto cuts the K loop of a decode launch into parts run as
