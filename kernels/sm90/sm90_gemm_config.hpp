@@ -325,14 +325,17 @@ using Decode8X2K2Config = GemmConfig<1, 2, 8, 8, 4, 4, true, false, 2>;
 using Decode8X2OverlapConfig = GemmConfig<1, 2, 8, 8, 8, 4, true>;
 //   Decode16X2K2Split / its twin: Decode16X2K2 (Decode16X2Overlap) taking k_splits: kAuto's tile
 //            for decode launches whose tiles leave at least half the CTA slots idle.
-//   Decode8X2K2Warp / Decode16X2K2Warp (candidates, tiles 46 / 47, with their one-k-block
-//            twins): Decode8X2K2 / Decode16X2K2 on warp-level MMAs (GemmConfig::kWarpMma).
+//   Decode8X2K2Warp / Decode16X2K2Warp / Decode16X2K2SplitWarp (tiles 46 / 47 / 48, with their
+//            one-k-block twins): Decode8X2K2 / Decode16X2K2 / Decode16X2K2Split on warp-level
+//            MMAs (GemmConfig::kWarpMma), kAuto's decode tiles since tuning log v16.
 using Decode8X2K2WarpConfig = GemmConfig<1, 2, 8, 8, 4, 4, true, false, 2, false, false, 1, true>;
 using Decode8X2OverlapWarpConfig = GemmConfig<1, 2, 8, 8, 8, 4, true, false, 1, false, false, 1, true>;
 using Decode16X2K2WarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, false, 1, true>;
 using Decode16X2OverlapWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, false, 1, true>;
 using Decode16X2K2SplitConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true>;
 using Decode16X2OverlapSplitConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true>;
+using Decode16X2K2SplitWarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true, 1, true>;
+using Decode16X2OverlapSplitWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true, 1, true>;
 //   PrefillK2: the staged 256 x 128 prefill tile with two k-blocks per stage (3 stages of 49 KiB):
 //            kAuto's prefill tile for L1 and L2 outside the PrefillWide range.
 //            NOTES: why: Nsight Compute (Kimi-K3 T = 4096, revision 8708cfb,

@@ -155,9 +155,11 @@ template <class Cfg, GemmKind kKind>
 void launch_config(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
   auto* kernel = &sm90_grouped_gemm_bf16_mxfp4_kernel<Cfg, kKind>;
   if (p.k_splits > 1) {
-    MEGAMOE_CHECK_ARG(Cfg::kSupportsSplitK, "sm90 gemm: k_splits: only tile kDecode16X2K2Split (",
-                      static_cast<int>(GemmTile::kDecode16X2K2Split),
-                      ") splits K; this tile runs unsplit: expected k_splits <= 1, got ",
+    MEGAMOE_CHECK_ARG(Cfg::kSupportsSplitK, "sm90 gemm: k_splits: only the split tiles ",
+                      "kDecode16X2K2Split (", static_cast<int>(GemmTile::kDecode16X2K2Split),
+                      ") and kDecode16X2K2SplitWarp (",
+                      static_cast<int>(GemmTile::kDecode16X2K2SplitWarp),
+                      ") split K; this tile runs unsplit: expected k_splits <= 1, got ",
                       p.k_splits);
     const int stages = p.k / Cfg::kBlockK / Cfg::kKBlocksPerStage;
     MEGAMOE_CHECK_ARG(p.k_splits <= stages, "sm90 gemm: k_splits: expected at most the ", stages,
@@ -318,6 +320,9 @@ bool with_tile_config(GemmTile tile, F&& f) {
     case GemmTile::kDecode16X2K2Warp:
       twin(TypeTag<Decode16X2K2WarpConfig>{}, TypeTag<Decode16X2OverlapWarpConfig>{});
       return true;
+    case GemmTile::kDecode16X2K2SplitWarp:
+      twin(TypeTag<Decode16X2K2SplitWarpConfig>{}, TypeTag<Decode16X2OverlapSplitWarpConfig>{});
+      return true;
     case GemmTile::kAuto:
     case GemmTile::kAutoOverlap:
     case GemmTile::kAutoSerial:
@@ -349,22 +354,24 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     // With a split-K workspace, launches with at most half as many 128-row tiles as CTA slots
     // run them in K parts (Decode16X2K2Split, 4 CTAs per SM) instead of the 64-row tile.
     const int parts = split_k_parts(x2_tiles, slots,
-                                    k_staged_stages<Decode16X2K2SplitConfig>(p.k));
+                                    k_staged_stages<Decode16X2K2SplitWarpConfig>(p.k));
     // (The kernel repeats the capacity check on the actual tile count and runs unsplit if it fails.)
     const bool split = auto_splits && p.split_partials != nullptr && parts > 1 &&
                        x2_tiles <= p.split_counters_capacity &&
-                       x2_tiles * parts * Decode16X2K2SplitConfig::kSplitUnitFloats <=
+                       x2_tiles * parts * Decode16X2K2SplitWarpConfig::kSplitUnitFloats <=
                            p.split_partial_floats;
     // Units taken at run time (a unit counter in the workspace): the 128 x 8 tile where the
     // experts average at most kDecode8MaxAvgRows rows, 4 CTAs per SM otherwise (the 3-per-SM
     // tile only evened out the static split's waves).
     const bool dynamic = p.unit_counter != nullptr;
+    // The 128-row tiles run on warp-level MMAs (tuning log v16: 1.00-1.09x over their wgmma
+    // versions, which stay as forced tiles).
     const GemmTile decode_overlap =
-        split                                               ? GemmTile::kDecode16X2K2Split
+        split                                               ? GemmTile::kDecode16X2K2SplitWarp
         : x2_tiles * kDecodeFillDen < slots * kDecodeFillNum ? GemmTile::kDecode16Overlap
-        : dynamic && avg <= kDecode8MaxAvgRows              ? GemmTile::kDecode8X2K2
+        : dynamic && avg <= kDecode8MaxAvgRows              ? GemmTile::kDecode8X2K2Warp
         : three_per_sm && !dynamic                          ? GemmTile::kDecode16X2K2x3
-                                                            : GemmTile::kDecode16X2K2;
+                                                            : GemmTile::kDecode16X2K2Warp;
     if (avg <= kDecode8MaxAvgRows) {
       // NOTES: no overlapped 64 x 8 tile: its first version wrote h_q/h_act that disagreed on the
       // H200 (device run at dbab4e4) and was removed. The overlapped 128 x 8 tile (Decode8X2K2)
@@ -383,7 +390,7 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     } else {
       tile = GemmTile::kPrefill;
     }
-    if (tile == GemmTile::kDecode16X2K2Split) p.k_splits = parts;  // kAuto picks it only to split
+    if (tile == GemmTile::kDecode16X2K2SplitWarp) p.k_splits = parts;  // picked only to split
   }
   const bool known = with_tile_config(tile, [&](auto cfg, auto twin, auto k_rule) {
     using Cfg = typename decltype(cfg)::type;
@@ -507,10 +514,13 @@ int split_k_counters() {
   return cuda::device_info().sm_count * static_cast<int>(kDecodeCtasPerSm) / 2;
 }
 
+static_assert(Decode16X2K2SplitConfig::kSplitUnitFloats ==
+                  Decode16X2K2SplitWarpConfig::kSplitUnitFloats,
+              "the two split tiles take the same workspace");
 int64_t split_k_partial_floats() {
   // At most one unit per CTA slot (~4 MiB on an H200).
   return static_cast<int64_t>(cuda::device_info().sm_count) * kDecodeCtasPerSm *
-         Decode16X2K2SplitConfig::kSplitUnitFloats;
+         Decode16X2K2SplitWarpConfig::kSplitUnitFloats;
 }
 
 TileTraits tile_traits(GemmTile tile) {

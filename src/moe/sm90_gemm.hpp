@@ -86,8 +86,10 @@ enum class GemmTile : int {
   // 192 x 128), removed: no faster than 34 or 28 (H200, 550f76a).
   kPrefillAsyncK2N96E2 = 38, // kPrefillAsyncK2N96 with a second epilogue warpgroup (7 epilogue
                              // warps; kAuto's tile at 41-80 rows; K % 128 == 0)
-  kDecode8X2K2Warp = 46,     // kDecode8X2K2 on warp-level MMAs (mma.sync; candidate)
-  kDecode16X2K2Warp = 47,    // kDecode16X2K2 on warp-level MMAs (candidate)
+  kDecode8X2K2Warp = 46,     // kDecode8X2K2 on warp-level MMAs (mma.sync m16n8k16); kAuto's
+                             // decode tile at <= 4 rows per expert with a unit counter
+  kDecode16X2K2Warp = 47,    // kDecode16X2K2 on warp-level MMAs; kAuto's other decode tile
+  kDecode16X2K2SplitWarp = 48,  // kDecode16X2K2Split on warp-level MMAs; kAuto's split tile
   // 39 was kPrefillWideAsync with the second epilogue warpgroup, removed: 0.99-1.02x (H200,
   // a275c59). 41 (kPrefillWideAsync with two k-blocks per stage) and 42 (kPrefillAsyncK2N64 with
   // the second epilogue warpgroup) were candidates, removed: slower or no faster (H200, 0a483df).
@@ -104,7 +106,7 @@ enum class GemmTile : int {
   // no faster at T = 1 (H200, 64e566b); a stream-K version of it, slower, never shipped.
   // 19 was a three-math-warpgroup prefill tile (192 x 128), removed after it measured slower
   // than kPrefillStaged at every prefill point (H200, fe21102, docs/perf.md).
-  // (17, 18, 20, 25, 27, 30, 29, 46, 47: when K is not a multiple of 128 they run as their
+  // (17, 18, 20, 25, 27, 30, 29, 46, 47, 48: when K is not a multiple of 128 they run as their
   // one-k-block twins, 13, 15, 16, 9, the 5-stage async 256 x 128 tile, the 8-stage 128 x 8
   // overlapped tile, 13 with split-K, and the one-k-block warp-MMA tiles)
 };
@@ -171,7 +173,8 @@ struct L1Args {
   GemmTile tile = GemmTile::kAuto;      // tile configuration (kAuto: chosen from rows_hint)
   SplitKWorkspace split_k;              // optional (empty: never split)
   int k_splits = 0;                     // 0: kAuto's choice; 1: unsplit; n in [2, kMaxKSplits]:
-                                        // n parts (tile kDecode16X2K2Split; needs split_k)
+                                        // n parts (the split tiles, kDecode16X2K2Split and
+                                        // kDecode16X2K2SplitWarp; needs split_k)
   // Programmatic dependent launch (runtime/cuda_launch.hpp): the kernel may start while the
   // previous kernel of the stream still runs; it builds its tile schedule from row_offsets and
   // issues its first weight copies at once, and waits for that kernel before it reads act /

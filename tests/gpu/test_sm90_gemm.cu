@@ -520,6 +520,8 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
 // (timed by Sm90GemmBench). The candidates are tested in their own suite, Sm90GemmOptIn, so a
 // failure there is attributed to them and leaves the default suite's verdict alone.
 constexpr sm90::GemmTile kDefaultTiles[] = {
+    sm90::GemmTile::kDecode8X2K2Warp, sm90::GemmTile::kDecode16X2K2Warp,
+    sm90::GemmTile::kDecode16X2K2SplitWarp,  // unsplit here (k_splits 0 on a forced tile)
     sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kDecode16X2K2,
     sm90::GemmTile::kDecode16X2K2x3,
     sm90::GemmTile::kDecode8X2K2,         // (its twin when K % 128 != 0: the 8-stage 128 x 8 tile)
@@ -537,9 +539,7 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N96,
-                                          sm90::GemmTile::kDecode8X2K2Warp,
-                                          sm90::GemmTile::kDecode16X2K2Warp};
+                                          sm90::GemmTile::kPrefillAsyncK2N96};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -614,7 +614,10 @@ TEST(Sm90Gemm, EveryTileConfigStaticUnits) {
 TEST(Sm90Gemm, RunTimeUnitsAgreeBitwiseWithStaticSplit) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 513, 3, 130, 250}, true, 8);
-  const std::pair<sm90::GemmTile, int> runs[] = {{sm90::GemmTile::kDecode8X2K2, 0},
+  const std::pair<sm90::GemmTile, int> runs[] = {{sm90::GemmTile::kDecode8X2K2Warp, 0},
+                                                 {sm90::GemmTile::kDecode16X2K2Warp, 0},
+                                                 {sm90::GemmTile::kDecode16X2K2SplitWarp, 2},
+                                                 {sm90::GemmTile::kDecode8X2K2, 0},
                                                  {sm90::GemmTile::kDecode16X2K2, 0},
                                                  {sm90::GemmTile::kDecode16X2K2Split, 2}};
   for (const auto& [tile, splits] : runs) {
@@ -706,14 +709,16 @@ TEST(Sm90GemmOptIn, ScalesAboveAndBelow128) {
 TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {3, 0, 9, 1}, false, 13);
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2, sm90::GemmTile::kDecode16X2K2x3,
-                                    sm90::GemmTile::kDecode16X4K2}) {
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2Warp,
+                                    sm90::GemmTile::kDecode8X2K2Warp, sm90::GemmTile::kDecode16X2K2,
+                                    sm90::GemmTile::kDecode16X2K2x3, sm90::GemmTile::kDecode16X4K2}) {
     run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
     run_l2_case(p, p.rows, false, tile);
   }
 }
 
-// Split-K (tile kDecode16X2K2Split, kAuto's when a decode launch has few tiles): 1..4 K parts
+// Split-K (tile kDecode16X2K2SplitWarp, kAuto's when a decode launch has few tiles, and its wgmma
+// version kDecode16X2K2Split): 1..4 K parts
 // of 4 or 8 stages (K2), and of 3 or 5 one-k-block stages (K = 192, 320: the twin), partial tiles, empty experts, bias, several units per CTA (more
 // units than a small problem's tiles), compared with the same reference; the counters must be
 // back to zero after every launch. Small enough for compute-sanitizer.
@@ -721,7 +726,8 @@ TEST(ReliabilitySanitize, DecodeTilesSplitK) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(1024, 512, {3, 0, 9, 1, 17}, true, 15);
   const Problem q = make_problem(320, 192, {5, 0, 2, 17}, false, 16);
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2Split}) {
+  for (const sm90::GemmTile tile :
+       {sm90::GemmTile::kDecode16X2K2SplitWarp, sm90::GemmTile::kDecode16X2K2Split}) {
     for (int parts : {1, 2, 3, 4}) {
       run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile, parts);
       run_l2_case(p, p.rows, true, tile, parts);
@@ -749,6 +755,8 @@ TEST(Sm90Gemm, SplitKRejectsWhatCannotSplit) {
   EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2, 2));  // unsplit tile
   EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2Split, 3));  // 2 stages
   EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2Split, 5));
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2SplitWarp, 3));
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2Warp, 2));
 }
 
 // The staged-epilogue prefill tiles (stmatrix staging; the asynchronous epilogue's handshake
@@ -1058,9 +1066,11 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
       for (const sm90::GemmTile tile : variants) {
         if (tile != sm90::GemmTile::kAuto && bench_tile_selected(tile)) runs.push_back({tile, 0, 0});
       }
-      if (T <= 8 && bench_tile_selected(sm90::GemmTile::kDecode16X2K2Split)) {
-        for (int parts = 1; parts <= sm90::kMaxKSplits; ++parts)
-          runs.push_back({sm90::GemmTile::kDecode16X2K2Split, parts, 0});
+      for (const sm90::GemmTile split_tile :
+           {sm90::GemmTile::kDecode16X2K2Split, sm90::GemmTile::kDecode16X2K2SplitWarp}) {
+        if (T <= 8 && bench_tile_selected(split_tile)) {
+          for (int parts = 1; parts <= sm90::kMaxKSplits; ++parts) runs.push_back({split_tile, parts, 0});
+        }
       }
       if (bench_reverse_order()) std::reverse(runs.begin(), runs.end());
       // (The forced splits get a workspace for every tile of these launches; the layer's covers
