@@ -334,13 +334,6 @@ using Decode16X2K2WarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, fal
 using Decode16X2OverlapWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, false, 1, true>;
 using Decode16X2K2SplitConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true>;
 using Decode16X2OverlapSplitConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true>;
-//   Decode8X2K2Warp2 / Decode16X2K2Warp2 (candidates, tiles 49 / 50): the same 128-row tiles on
-//            two math warpgroups of one 64-row block each (8 math warps per CTA, twice the warps
-//            per scheduler at 4 CTAs per SM, each converting half as much; at most 56 registers).
-using Decode8X2K2Warp2Config = GemmConfig<2, 1, 8, 8, 4, 4, true, false, 2, false, false, 1, true>;
-using Decode8X2OverlapWarp2Config = GemmConfig<2, 1, 8, 8, 8, 4, true, false, 1, false, false, 1, true>;
-using Decode16X2K2Warp2Config = GemmConfig<2, 1, 16, 8, 3, 4, true, false, 2, false, false, 1, true>;
-using Decode16X2OverlapWarp2Config = GemmConfig<2, 1, 16, 8, 7, 4, true, false, 1, false, false, 1, true>;
 using Decode16X2K2SplitWarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true, 1, true>;
 using Decode16X2OverlapSplitWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true, 1, true>;
 //   PrefillK2: the staged 256 x 128 prefill tile with two k-blocks per stage (3 stages of 49 KiB):

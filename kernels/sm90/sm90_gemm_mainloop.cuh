@@ -5,9 +5,10 @@
 // memory, converts them to BF16 A fragments in registers (exact: E2M1 x 2^(s-127)), and issues
 // 4 wgmma m64nNk16 per weight block with B (token rows) read from the TMA-written, 128B-swizzled
 // stage.
-// Two mainloops (Cfg::kOverlapConvert): the serial one (per stage wait, convert, wgmma,
-// wait_group 0) and the overlapped one (kAuto's: the next block's conversion runs while the
-// current block's wgmmas are in flight, see run_overlapped).
+// Three mainloops: the serial one (per stage wait, convert, wgmma, wait_group 0), the overlapped
+// one (Cfg::kOverlapConvert; kAuto's prefill tiles: the next block's conversion runs while the
+// current block's wgmmas are in flight, see run_overlapped), and the warp-level one
+// (Cfg::kWarpMma; kAuto's decode tiles: the same conversion feeding mma.sync, see run_warp).
 // NOTES: the serial chain is latency-bound (decode streamed 1.1-1.7 TB/s; a prefill stage took
 // ~3x its tensor time). Double-buffering with wait_group 1 across stages was tried: ptxas could
 // not prove the in-flight registers untouched and serialized every wgmma (C7513).
@@ -384,7 +385,15 @@ struct Mainloop {
   // mma.sync m16n8k16 as well) and multiplies them with mma.sync; the B fragments of each k-block
   // come from the 128B-swizzled stage by ldmatrix, once per warp for all its weight blocks.
   // No warpgroup fence, descriptor or wait_group: the four warps of the warpgroup run
-  // independently and the stage is released as soon as its shared memory has been read.
+  // independently (a wgmma starts when all four have issued it) and the stage is released when
+  // its shared memory has been read.
+  // NOTES: why: the 128-row decode tiles on this loop measured 1.00-1.09x over their wgmma
+  // versions at T = 1, 8 and 64 (H200, 69a470e / 93d3738, tuning log v16), with ~5 fewer
+  // instructions per weight block (no fence, arrive, wait or descriptor update).
+  // NOTES (tried): loading the whole stage into registers first and releasing it before the
+  // conversion, to let the producer refill it one stage's math earlier: ptxas schedules each
+  // load next to its use and the arrival after the last load whatever the source order (the SASS
+  // was the same), so it was not kept.
   template <int kN>
   __device__ __forceinline__ static void run_warp(float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2],
                                                   uint8_t* smem_b, const uint8_t* smem_a,
