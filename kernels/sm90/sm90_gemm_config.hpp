@@ -334,6 +334,13 @@ using Decode16X2K2WarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, fal
 using Decode16X2OverlapWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, false, 1, true>;
 using Decode16X2K2SplitConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true>;
 using Decode16X2OverlapSplitConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true>;
+//   Decode8X2K2Warp5 / Decode16X2K2Warp4 (candidates, tiles 49 / 50): tiles 46 / 47 with one
+//            more stage, which fits 4 CTAs per SM only with few local experts (the schedule takes
+//            8 bytes per expert: DeepSeek-V3's 256 fit, Kimi-K3's 896 do not).
+using Decode8X2K2Warp5Config = GemmConfig<1, 2, 8, 8, 5, 4, true, false, 2, false, false, 1, true>;
+using Decode8X2OverlapWarp10Config = GemmConfig<1, 2, 8, 8, 10, 4, true, false, 1, false, false, 1, true>;
+using Decode16X2K2Warp4Config = GemmConfig<1, 2, 16, 8, 4, 4, true, false, 2, false, false, 1, true>;
+using Decode16X2OverlapWarp8Config = GemmConfig<1, 2, 16, 8, 8, 4, true, false, 1, false, false, 1, true>;
 using Decode16X2K2SplitWarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true, 1, true>;
 using Decode16X2OverlapSplitWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true, 1, true>;
 //   PrefillK2: the staged 256 x 128 prefill tile with two k-blocks per stage (3 stages of 49 KiB):
