@@ -293,7 +293,8 @@ using Decode16X4K2Config = GemmConfig<1, 4, 16, 8, 2, 4, true, false, 2>;
 //   Decode8X2K2 / its twin: Decode16X2K2 with 8 token rows, which at T <= 8 hold every
 //            expert's rows (at most T); the B stage halves (2 KiB), so 4 stages fit 4 CTAs per SM
 //            at E_l = 896 where the 16-row tile has 3. kAuto's decode tile at <= 4 rows per
-//            expert when the launch takes its units at run time (tuning log v10).
+//            expert when the launch takes its units at run time (tuning log v10) until v16,
+//            which runs it on warp-level MMAs (Decode8X2K2Warp below).
 //            NOTES: a 64-row version (Decode8X1K2, two k-blocks per stage, 6 stages: twice the
 //            units, so the CTAs even out better at T = 1) was 1.08-1.20x slower at T = 1 and 8
 //            (H200, dddf285, tuning log v10) and was removed.
@@ -334,13 +335,6 @@ using Decode16X2K2WarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, fal
 using Decode16X2OverlapWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, false, 1, true>;
 using Decode16X2K2SplitConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true>;
 using Decode16X2OverlapSplitConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true>;
-//   Decode8X2K2Warp5 / Decode16X2K2Warp4 (candidates, tiles 49 / 50): tiles 46 / 47 with one
-//            more stage, which fits 4 CTAs per SM only with few local experts (the schedule takes
-//            8 bytes per expert: DeepSeek-V3's 256 fit, Kimi-K3's 896 do not).
-using Decode8X2K2Warp5Config = GemmConfig<1, 2, 8, 8, 5, 4, true, false, 2, false, false, 1, true>;
-using Decode8X2OverlapWarp10Config = GemmConfig<1, 2, 8, 8, 10, 4, true, false, 1, false, false, 1, true>;
-using Decode16X2K2Warp4Config = GemmConfig<1, 2, 16, 8, 4, 4, true, false, 2, false, false, 1, true>;
-using Decode16X2OverlapWarp8Config = GemmConfig<1, 2, 16, 8, 8, 4, true, false, 1, false, false, 1, true>;
 using Decode16X2K2SplitWarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true, 1, true>;
 using Decode16X2OverlapSplitWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true, 1, true>;
 //   PrefillK2: the staged 256 x 128 prefill tile with two k-blocks per stage (3 stages of 49 KiB):

@@ -320,12 +320,6 @@ bool with_tile_config(GemmTile tile, F&& f) {
     case GemmTile::kDecode16X2K2Warp:
       twin(TypeTag<Decode16X2K2WarpConfig>{}, TypeTag<Decode16X2OverlapWarpConfig>{});
       return true;
-    case GemmTile::kDecode8X2K2Warp5:
-      twin(TypeTag<Decode8X2K2Warp5Config>{}, TypeTag<Decode8X2OverlapWarp10Config>{});
-      return true;
-    case GemmTile::kDecode16X2K2Warp4:
-      twin(TypeTag<Decode16X2K2Warp4Config>{}, TypeTag<Decode16X2OverlapWarp8Config>{});
-      return true;
     case GemmTile::kDecode16X2K2SplitWarp:
       twin(TypeTag<Decode16X2K2SplitWarpConfig>{}, TypeTag<Decode16X2OverlapSplitWarpConfig>{});
       return true;

@@ -75,9 +75,10 @@ enum class GemmTile : int {
   // 26 was kPrefillStaged with the asynchronous epilogue (5 stages), removed: slower than 25.
   kPrefillAsyncK2 = 27,      // kPrefillK2 with the asynchronous epilogue (2 stages)
   kPrefillWideAsync = 28,    // kPrefillWideStaged with the asynchronous epilogue
-  kDecode16X2K2Split = 29,   // kDecode16X2K2 taking k_splits (split-K; the only tile that does)
+  kDecode16X2K2Split = 29,   // kDecode16X2K2 taking k_splits (split-K, as does 48)
   kDecode8X2K2 = 30,         // 128 x 8, overlapped, two k-blocks per stage, 4 stages (kAuto's
-                             // decode tile at <= 4 rows per expert with a unit counter)
+                             // decode tile at <= 4 rows per expert with a unit counter before
+                             // v16; now its warp-MMA version, 46)
   // 33 was kPrefillK2 with at most 96 token rows and 4 stages, removed: no faster than 25 or 34
   // (H200, 3f7d1ed).
   kPrefillAsyncK2N96 = 34,   // kPrefillAsyncK2 with at most 96 token rows, 3 stages (K % 128 == 0)
@@ -90,9 +91,9 @@ enum class GemmTile : int {
                              // decode tile at <= 4 rows per expert with a unit counter
   kDecode16X2K2Warp = 47,    // kDecode16X2K2 on warp-level MMAs; kAuto's other decode tile
   kDecode16X2K2SplitWarp = 48,  // kDecode16X2K2Split on warp-level MMAs; kAuto's split tile
-  kDecode8X2K2Warp5 = 51,    // kDecode8X2K2Warp with 5 stages (candidate; 4 CTAs per SM only
-                             // with few local experts)
-  kDecode16X2K2Warp4 = 52,   // kDecode16X2K2Warp with 4 stages (the same)
+  // 51 and 52 were kDecode8X2K2Warp with 5 stages and kDecode16X2K2Warp with 4 (4 CTAs per SM
+  // only with few local experts), removed: the same at T = 1 (DeepSeek-V3 L2 24.9 / 24.8 against
+  // 24.8 / 24.9 us), within the noise at T = 8 and 64 (H200, 0fae221, tuning log v16).
   // 49 and 50 were kDecode8X2K2Warp / kDecode16X2K2Warp on two math warpgroups of one 64-row
   // block each (8 math warps per CTA, 41-56 registers), removed: 1.05-1.1x slower at T = 1 and
   // 64 (L2 DeepSeek-V3 T = 1 27.0-27.3 against 24.9 us; H200, 1fe14a3, tuning log v16).

@@ -539,9 +539,7 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N96,
-                                          sm90::GemmTile::kDecode8X2K2Warp5,
-                                          sm90::GemmTile::kDecode16X2K2Warp4};
+                                          sm90::GemmTile::kPrefillAsyncK2N96};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -1040,8 +1038,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2);  // kAuto's at avg <= 4 rows
         if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2Warp);
         variants.push_back(sm90::GemmTile::kDecode16X2K2Warp);
-        if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2Warp5);
-        variants.push_back(sm90::GemmTile::kDecode16X2K2Warp4);
       }
       if (T >= 512) {
         variants.push_back(sm90::GemmTile::kPrefillOverlap);
