@@ -58,7 +58,8 @@ struct Mainloop {
   using BlockFrags = uint32_t[kSteps][4];  // one 64-row block's A fragments for one stage
   using Frags = uint32_t[kMBlocksPerWG][kSteps][4];
 
-  // Runs the K loop of one tile with wgmma N = kN. acc[sub] receives the m64 x kN accumulators.
+  // Runs the K loop of one tile with N = kN token rows (the wgmma N, or kN / 8 mma.sync n8
+  // chunks). acc[sub] receives the m64 x kN accumulators (the same layout either way).
   // stage/phase carry the pipeline position across tiles.
   template <int kN>
   __device__ __forceinline__ static void run(float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2],
