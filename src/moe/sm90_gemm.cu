@@ -352,7 +352,7 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     const bool three_per_sm =
         wave_fill(x2_tiles, sms * kDecodeCtasPerSm3) >= 1.1 * wave_fill(x2_tiles, slots);
     // With a split-K workspace, launches with at most half as many 128-row tiles as CTA slots
-    // run them in K parts (Decode16X2K2Split, 4 CTAs per SM) instead of the 64-row tile.
+    // run them in K parts (Decode16X2K2SplitWarp, 4 CTAs per SM) instead of the 64-row tile.
     const int parts = split_k_parts(x2_tiles, slots,
                                     k_staged_stages<Decode16X2K2SplitWarpConfig>(p.k));
     // (The kernel repeats the capacity check on the actual tile count and runs unsplit if it fails.)
