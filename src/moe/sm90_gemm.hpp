@@ -91,12 +91,12 @@ enum class GemmTile : int {
                              // decode tile at <= 4 rows per expert with a unit counter
   kDecode16X2K2Warp = 47,    // kDecode16X2K2 on warp-level MMAs; kAuto's other decode tile
   kDecode16X2K2SplitWarp = 48,  // kDecode16X2K2Split on warp-level MMAs; kAuto's split tile
-  // 51 and 52 were kDecode8X2K2Warp with 5 stages and kDecode16X2K2Warp with 4 (4 CTAs per SM
-  // only with few local experts), removed: the same at T = 1 (DeepSeek-V3 L2 24.9 / 24.8 against
-  // 24.8 / 24.9 us), within the noise at T = 8 and 64 (H200, 0fae221, tuning log v16).
   // 49 and 50 were kDecode8X2K2Warp / kDecode16X2K2Warp on two math warpgroups of one 64-row
   // block each (8 math warps per CTA, 41-56 registers), removed: 1.05-1.1x slower at T = 1 and
   // 64 (L2 DeepSeek-V3 T = 1 27.0-27.3 against 24.9 us; H200, 1fe14a3, tuning log v16).
+  // 51 and 52 were kDecode8X2K2Warp with 5 stages and kDecode16X2K2Warp with 4 (4 CTAs per SM
+  // only with few local experts), removed: the same at T = 1 (DeepSeek-V3 L2 24.9 / 24.8 against
+  // 24.8 / 24.9 us), within the noise at T = 8 and 64 (H200, 0fae221, tuning log v16).
   // 39 was kPrefillWideAsync with the second epilogue warpgroup, removed: 0.99-1.02x (H200,
   // a275c59). 41 (kPrefillWideAsync with two k-blocks per stage) and 42 (kPrefillAsyncK2N64 with
   // the second epilogue warpgroup) were candidates, removed: slower or no faster (H200, 0a483df).
