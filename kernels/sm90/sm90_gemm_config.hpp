@@ -335,6 +335,9 @@ using Decode16X2K2WarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, fal
 using Decode16X2OverlapWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, false, 1, true>;
 using Decode16X2K2SplitConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true>;
 using Decode16X2OverlapSplitConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true>;
+//   Decode8X4KWarp (candidate, tile 53): Decode8X2K2Warp with four k-blocks per stage and 2
+//            stages (the same bytes in flight, half the barrier round trips; K % 256 == 0).
+using Decode8X4KWarpConfig = GemmConfig<1, 2, 8, 8, 2, 4, true, false, 4, false, false, 1, true>;
 using Decode16X2K2SplitWarpConfig = GemmConfig<1, 2, 16, 8, 3, 4, true, false, 2, false, true, 1, true>;
 using Decode16X2OverlapSplitWarpConfig = GemmConfig<1, 2, 16, 8, 7, 4, true, false, 1, false, true, 1, true>;
 //   PrefillK2: the staged 256 x 128 prefill tile with two k-blocks per stage (3 stages of 49 KiB):

@@ -320,6 +320,7 @@ bool with_tile_config(GemmTile tile, F&& f) {
     case GemmTile::kDecode16X2K2Warp:
       twin(TypeTag<Decode16X2K2WarpConfig>{}, TypeTag<Decode16X2OverlapWarpConfig>{});
       return true;
+    case GemmTile::kDecode8X4KWarp: multiple(TypeTag<Decode8X4KWarpConfig>{}); return true;
     case GemmTile::kDecode16X2K2SplitWarp:
       twin(TypeTag<Decode16X2K2SplitWarpConfig>{}, TypeTag<Decode16X2OverlapSplitWarpConfig>{});
       return true;

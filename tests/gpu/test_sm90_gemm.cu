@@ -539,7 +539,8 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N96};
+                                          sm90::GemmTile::kPrefillAsyncK2N96,
+                                          sm90::GemmTile::kDecode8X4KWarp};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -549,7 +550,7 @@ void every_tile_case(sm90::GemmTile tile) {
   const Problem q = make_problem(320, 192, {5, 0, 200, 17, 300}, true, 9);
   run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile);
   run_l2_case(p, p.rows, true, tile);
-  if (sm90::tile_traits(tile).k_multiple == 128) {  // K = 320 / 192: rejected, naming K
+  if (sm90::tile_traits(tile).k_multiple > 64) {  // K = 320 / 192: rejected, naming K
     EXPECT_THROW(run_l1_case(q, 1, Activation::situ(4.0f, 25.0f), false, false, tile), megamoe::Error);
     EXPECT_THROW(run_l2_case(q, 1, false, tile), megamoe::Error);
     return;
@@ -1037,6 +1038,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
         if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2);  // kAuto's at avg <= 4 rows
         if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2Warp);
+        if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X4KWarp);
         variants.push_back(sm90::GemmTile::kDecode16X2K2Warp);
       }
       if (T >= 512) {
