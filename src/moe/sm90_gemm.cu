@@ -366,11 +366,14 @@ void launch_one(GemmParams p, int64_t rows_hint, GemmTile tile, const uint16_t* 
     // tile only evened out the static split's waves).
     const bool dynamic = p.unit_counter != nullptr;
     // The 128-row tiles run on warp-level MMAs (tuning log v16: 1.00-1.09x over their wgmma
-    // versions, which stay as forced tiles).
+    // versions, which stay as forced tiles); the 8-row one with four k-blocks per stage where K
+    // allows (1.03-1.08x over two at most points, v16).
+    const GemmTile decode8 = k_fits_stages<Decode8X4KWarpConfig>(p.k) ? GemmTile::kDecode8X4KWarp
+                                                                       : GemmTile::kDecode8X2K2Warp;
     const GemmTile decode_overlap =
         split                                               ? GemmTile::kDecode16X2K2SplitWarp
         : x2_tiles * kDecodeFillDen < slots * kDecodeFillNum ? GemmTile::kDecode16Overlap
-        : dynamic && avg <= kDecode8MaxAvgRows              ? GemmTile::kDecode8X2K2Warp
+        : dynamic && avg <= kDecode8MaxAvgRows              ? decode8
         : three_per_sm && !dynamic                          ? GemmTile::kDecode16X2K2x3
                                                             : GemmTile::kDecode16X2K2Warp;
     if (avg <= kDecode8MaxAvgRows) {

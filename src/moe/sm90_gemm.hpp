@@ -88,11 +88,12 @@ enum class GemmTile : int {
   kPrefillAsyncK2N96E2 = 38, // kPrefillAsyncK2N96 with a second epilogue warpgroup (7 epilogue
                              // warps; kAuto's tile at 41-80 rows; K % 128 == 0)
   kDecode8X2K2Warp = 46,     // kDecode8X2K2 on warp-level MMAs (mma.sync m16n8k16); kAuto's
-                             // decode tile at <= 4 rows per expert with a unit counter
+                             // decode tile at <= 4 rows per expert with a unit counter when K is
+                             // not a multiple of 256 (53 otherwise)
   kDecode16X2K2Warp = 47,    // kDecode16X2K2 on warp-level MMAs; kAuto's other decode tile
   kDecode16X2K2SplitWarp = 48,  // kDecode16X2K2Split on warp-level MMAs; kAuto's split tile
-  kDecode8X4KWarp = 53,      // kDecode8X2K2Warp with 4 k-blocks per stage, 2 stages (candidate;
-                             // K % 256 == 0)
+  kDecode8X4KWarp = 53,      // kDecode8X2K2Warp with 4 k-blocks per stage, 2 stages (K % 256
+                             // == 0); kAuto's 128 x 8 tile where K allows, 46 elsewhere
   // 49 and 50 were kDecode8X2K2Warp / kDecode16X2K2Warp on two math warpgroups of one 64-row
   // block each (8 math warps per CTA, 41-56 registers), removed: 1.05-1.1x slower at T = 1 and
   // 64 (L2 DeepSeek-V3 T = 1 27.0-27.3 against 24.9 us; H200, 1fe14a3, tuning log v16).

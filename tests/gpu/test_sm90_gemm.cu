@@ -520,6 +520,7 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
 // (timed by Sm90GemmBench). The candidates are tested in their own suite, Sm90GemmOptIn, so a
 // failure there is attributed to them and leaves the default suite's verdict alone.
 constexpr sm90::GemmTile kDefaultTiles[] = {
+    sm90::GemmTile::kDecode8X4KWarp,  // (K % 256 != 0: rejected; kAuto takes kDecode8X2K2Warp)
     sm90::GemmTile::kDecode8X2K2Warp, sm90::GemmTile::kDecode16X2K2Warp,
     sm90::GemmTile::kDecode16X2K2SplitWarp,  // unsplit here (k_splits 0 on a forced tile)
     sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kDecode16X2K2,
@@ -539,8 +540,7 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N96,
-                                          sm90::GemmTile::kDecode8X4KWarp};
+                                          sm90::GemmTile::kPrefillAsyncK2N96};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -615,7 +615,8 @@ TEST(Sm90Gemm, EveryTileConfigStaticUnits) {
 TEST(Sm90Gemm, RunTimeUnitsAgreeBitwiseWithStaticSplit) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 513, 3, 130, 250}, true, 8);
-  const std::pair<sm90::GemmTile, int> runs[] = {{sm90::GemmTile::kDecode8X2K2Warp, 0},
+  const std::pair<sm90::GemmTile, int> runs[] = {{sm90::GemmTile::kDecode8X4KWarp, 0},
+                                                 {sm90::GemmTile::kDecode8X2K2Warp, 0},
                                                  {sm90::GemmTile::kDecode16X2K2Warp, 0},
                                                  {sm90::GemmTile::kDecode16X2K2SplitWarp, 2},
                                                  {sm90::GemmTile::kDecode8X2K2, 0},
@@ -710,7 +711,7 @@ TEST(Sm90GemmOptIn, ScalesAboveAndBelow128) {
 TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {3, 0, 9, 1}, false, 13);
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2Warp,
+  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2Warp, sm90::GemmTile::kDecode8X4KWarp,
                                     sm90::GemmTile::kDecode8X2K2Warp, sm90::GemmTile::kDecode16X2K2,
                                     sm90::GemmTile::kDecode16X2K2x3, sm90::GemmTile::kDecode16X4K2}) {
     run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
