@@ -694,6 +694,8 @@ TEST(Sm90GemmPlan, TileTraits) {
     EXPECT_EQ(sm90::tile_traits(tile).k_multiple, 64) << int(tile);
   }
   EXPECT_EQ(sm90::tile_traits(sm90::GemmTile::kPrefillAsyncK2N96E2).k_multiple, 128);
+  EXPECT_EQ(sm90::tile_traits(sm90::GemmTile::kDecode8X4KWarp).k_multiple, 256);
+  EXPECT_TRUE(sm90::tile_traits(sm90::GemmTile::kDecode8X4KWarp).needs_small_scales);
   for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16,
                                     sm90::GemmTile::kPrefill, sm90::GemmTile::kDecode8X2}) {
     EXPECT_FALSE(sm90::tile_traits(tile).needs_small_scales) << int(tile);
