@@ -105,14 +105,9 @@ MEGAMOE_HD bool gate_admits(const GemmParams& p, int64_t rows, int hits) {
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
           int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false, bool kSplitK_ = false,
-          int kEpilogueWG_ = 1, bool kWarpMma_ = false, bool kGroupedIssue_ = false>
+          int kEpilogueWG_ = 1, bool kWarpMma_ = false>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
-  // kGroupedIssue: the overlapped loop issues a unit's four wgmmas back to back, before the next
-  // unit's shared-memory loads and conversion (a __syncwarp after the commit: ptxas keeps shared
-  // memory accesses on their side of it). Without it ptxas spreads the wgmmas of a unit over the
-  // conversion (SASS of PrefillAsyncK2N96E2: gaps of 36, 31, 1 instructions between them).
-  static constexpr bool kGroupedIssue = kGroupedIssue_;
   // kWarpMma: the overlapped configs' conversion feeding warp-level MMAs (mma.sync m16n8k16, B
   // fragments by ldmatrix) instead of wgmma: every warp runs its own 16 rows, with no warpgroup
   // fence, descriptor or wait_group per weight block (Mainloop::run_warp).
@@ -410,19 +405,17 @@ using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, tr
 //            0.93x at DeepSeek-V3 T = 4096 L1, 0.94x L2, 0.96x at Kimi-K3 T = 8192 L1. The 256 x 64
 //            tile with the second epilogue warpgroup: 1.00-1.02x at its rows (13-40), L2 0.89x at
 //            Kimi-K3 T = 2048 (H200, 0a483df, bench/results/gemm_bench_0a483df_*.txt).
-using PrefillAsyncK2N96E2Config = GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true, false, 2>;
-//   PrefillAsyncK2N96E2N8 (tile 54, candidate): PrefillAsyncK2N96E2 with the wgmma N in steps of
-//            8 token rows instead of 16 (Kimi-K3 T = 4096 averages 73 rows per expert: N = 80 for
-//            65-80 rows; with steps of 8, 72 or 80).
-using PrefillAsyncK2N96E2N8Config = GemmConfig<2, 2, 96, 8, 3, 1, true, true, 2, true, false, 2>;
-//   ...G (tiles 55, 56, 57, candidates): kAuto's prefill tiles PrefillAsyncK2N96E2,
-//            PrefillWideAsync and PrefillK2 with kGroupedIssue.
-using PrefillAsyncK2N96E2GConfig =
-    GemmConfig<2, 2, 96, 16, 3, 1, true, true, 2, true, false, 2, false, true>;
-using PrefillWideAsyncGConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, true, false, 1, false, true>;
-using PrefillK2GConfig = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2, false, false, 1, false, true>;
-//   PrefillAsyncK2N96E2N8G (tile 58, candidate): tiles 54 and 55 together.
-using PrefillAsyncK2N96E2N8GConfig =
-    GemmConfig<2, 2, 96, 8, 3, 1, true, true, 2, true, false, 2, false, true>;
+//            N steps of 8 token rows (since v17; 16 before): Kimi-K3 T = 4096 averages 73 rows per
+//            expert, where steps of 16 ran N = 80 for 65-80 rows; 1.02x at L1 and L2 in both
+//            orders (H200, 4670141, bench/results/gemm_tiles_4670141_*.txt, tile 54 there).
+//            NOTES (rejected): the four wgmmas of a unit issued back to back before the next
+//            unit's conversion (a __syncwarp after the commit, which ptxas does not move shared
+//            memory accesses across; without it ptxas spreads them over the conversion, gaps of
+//            36, 31, 1 instructions): 0.95x here, 0.96-0.98x in PrefillK2, 0.99-1.01x in
+//            PrefillWideAsync (same call, tiles 55, 57, 56 there).
+using PrefillAsyncK2N96E2Config = GemmConfig<2, 2, 96, 8, 3, 1, true, true, 2, true, false, 2>;
+//   PrefillWideAsyncN8 (tile 59, candidate): PrefillWideAsync with N steps of 8 (DeepSeek-V3
+//            T = 4096 averages 128 rows per expert, Kimi-K3 T = 8192 146).
+using PrefillWideAsyncN8Config = GemmConfig<2, 1, 192, 8, 5, 1, true, true, 1, true>;
 
 }  // namespace megamoe::sm90

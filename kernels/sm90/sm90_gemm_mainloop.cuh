@@ -297,7 +297,6 @@ struct Mainloop {
               acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
         }
         ptx::wgmma_commit();
-        if constexpr (Cfg::kGroupedIssue) __syncwarp();  // (GemmConfig::kGroupedIssue)
         if (sub + 1 < kMBlocksPerWG) {
           load_convert_block(here.a + a_offset(sub + 1, j), here.sf + sf_offset(sub + 1, j),
                              frags[nxt]);

@@ -92,11 +92,9 @@ enum class GemmTile : int {
                              // not a multiple of 256 (53 otherwise)
   kDecode16X2K2Warp = 47,    // kDecode16X2K2 on warp-level MMAs; kAuto's other decode tile
   kDecode16X2K2SplitWarp = 48,  // kDecode16X2K2Split on warp-level MMAs; kAuto's split tile
-  kPrefillAsyncK2N96E2N8 = 54,  // kPrefillAsyncK2N96E2 with the wgmma N in steps of 8 (candidate)
-  kPrefillAsyncK2N96E2G = 55,   // kPrefillAsyncK2N96E2 with its wgmmas issued grouped (candidate)
-  kPrefillWideAsyncG = 56,      // kPrefillWideAsync, the same (candidate)
-  kPrefillK2G = 57,             // kPrefillK2, the same (candidate; K % 128 == 0)
-  kPrefillAsyncK2N96E2N8G = 58, // 54 and 55 together (candidate)
+  // 54 was kPrefillAsyncK2N96E2 with N steps of 8, now 38 itself (1.02x, H200, 4670141); 55, 56,
+  // 57 and 58 were 38, 28, 25 and 54 with their wgmmas issued back to back, removed: 0.95-1.01x.
+  kPrefillWideAsyncN8 = 59,  // kPrefillWideAsync with N steps of 8 (candidate)
   kDecode8X4KWarp = 53,      // kDecode8X2K2Warp with 4 k-blocks per stage, 2 stages (K % 256
                              // == 0); kAuto's 128 x 8 tile where K allows, 46 elsewhere
   // 49 and 50 were kDecode8X2K2Warp / kDecode16X2K2Warp on two math warpgroups of one 64-row

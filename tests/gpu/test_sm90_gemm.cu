@@ -541,11 +541,7 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
                                           sm90::GemmTile::kPrefillAsyncK2N96,
-                                          sm90::GemmTile::kPrefillAsyncK2N96E2N8,
-                                          sm90::GemmTile::kPrefillAsyncK2N96E2G,
-                                          sm90::GemmTile::kPrefillWideAsyncG,
-                                          sm90::GemmTile::kPrefillK2G,
-                                          sm90::GemmTile::kPrefillAsyncK2N96E2N8G};
+                                          sm90::GemmTile::kPrefillWideAsyncN8};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -1060,11 +1056,7 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N64);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2);
-        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2N8);
-        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2G);
-        variants.push_back(sm90::GemmTile::kPrefillWideAsyncG);
-        variants.push_back(sm90::GemmTile::kPrefillK2G);
-        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2N8G);
+        variants.push_back(sm90::GemmTile::kPrefillWideAsyncN8);
       }
       // Split-K (T <= 8): the 128-row split tile forced with 1..kMaxKSplits K parts.
       // Modes (kAuto only; every other row is mode 0):
