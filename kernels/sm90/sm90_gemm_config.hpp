@@ -365,7 +365,10 @@ using PrefillK2Config = GemmConfig<2, 2, 128, 16, 3, 1, true, true, 2>;
 //            Stages: PrefillAsyncK2 keeps the whole tile's staging (72 KiB), so 2 stages fit.
 using PrefillAsyncK2Config = GemmConfig<2, 2, 128, 16, 2, 1, true, true, 2, true>;
 using PrefillAsyncK2TwinConfig = GemmConfig<2, 2, 128, 16, 5, 1, true, true, 1, true>;
-using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 16, 5, 1, true, true, 1, true>;
+//            PrefillWideAsync runs the wgmma N in steps of 8 token rows (since v17; 16 before):
+//            1.01-1.02x at DeepSeek-V3 T = 4096 (128 rows per expert) and Kimi-K3 T = 8192 (146),
+//            both orders (H200, c18793d, bench/results/gemm_tiles_c18793d_*.txt, tile 59 there).
+using PrefillWideAsyncConfig = GemmConfig<2, 1, 192, 8, 5, 1, true, true, 1, true>;
 //   PrefillAsyncK2N96 / PrefillAsyncK2N64: PrefillAsyncK2 with at most 96 / 64 token rows per
 //            tile, kAuto's tiles for experts averaging 41-80 (since v13 as PrefillAsyncK2N96E2,
 //            below) / 13-40 rows when K is a multiple of 128 (no one-k-block twin; the
@@ -414,8 +417,5 @@ using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, tr
 //            36, 31, 1 instructions): 0.95x here, 0.96-0.98x in PrefillK2, 0.99-1.01x in
 //            PrefillWideAsync (same call, tiles 55, 57, 56 there).
 using PrefillAsyncK2N96E2Config = GemmConfig<2, 2, 96, 8, 3, 1, true, true, 2, true, false, 2>;
-//   PrefillWideAsyncN8 (tile 59, candidate): PrefillWideAsync with N steps of 8 (DeepSeek-V3
-//            T = 4096 averages 128 rows per expert, Kimi-K3 T = 8192 146).
-using PrefillWideAsyncN8Config = GemmConfig<2, 1, 192, 8, 5, 1, true, true, 1, true>;
 
 }  // namespace megamoe::sm90

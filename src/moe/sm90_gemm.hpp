@@ -94,7 +94,7 @@ enum class GemmTile : int {
   kDecode16X2K2SplitWarp = 48,  // kDecode16X2K2Split on warp-level MMAs; kAuto's split tile
   // 54 was kPrefillAsyncK2N96E2 with N steps of 8, now 38 itself (1.02x, H200, 4670141); 55, 56,
   // 57 and 58 were 38, 28, 25 and 54 with their wgmmas issued back to back, removed: 0.95-1.01x.
-  kPrefillWideAsyncN8 = 59,  // kPrefillWideAsync with N steps of 8 (candidate)
+  // 59 was kPrefillWideAsync with N steps of 8, now 28 itself (1.01-1.02x, H200, c18793d).
   kDecode8X4KWarp = 53,      // kDecode8X2K2Warp with 4 k-blocks per stage, 2 stages (K % 256
                              // == 0); kAuto's 128 x 8 tile where K allows, 46 elsewhere
   // 49 and 50 were kDecode8X2K2Warp / kDecode16X2K2Warp on two math warpgroups of one 64-row
