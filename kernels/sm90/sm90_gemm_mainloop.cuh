@@ -57,36 +57,22 @@ struct Mainloop {
   static constexpr int kSteps = sm90_layout::kStepsPerBlock;
   using BlockFrags = uint32_t[kSteps][4];  // one 64-row block's A fragments for one stage
   using Frags = uint32_t[kMBlocksPerWG][kSteps][4];
-  // kCrossTile: the overlapped loop of the asynchronous-epilogue tiles converts the next tile's
-  // first weight block while the tile's last wgmmas run (frags[0] carries it to the next run),
-  // instead of converting it with no wgmma in flight at the start of the next tile.
-  static constexpr bool kCrossTile = Cfg::kOverlapConvert && !Cfg::kWarpMma && Cfg::kAsyncEpilogue;
 
   // Runs the K loop of one tile with N = kN token rows (the wgmma N, or kN / 8 mma.sync n8
   // chunks). acc[sub] receives the m64 x kN accumulators (the same layout either way).
-  // stage/phase carry the pipeline position across tiles. kCrossTile only: carry holds the
-  // overlapped loop's register sets; preconverted says carry[0] already holds this tile's first
-  // block (converted by the previous run), convert_next asks this run to convert the next tile's
-  // (the producer fills the next stage: there is a next tile, or the dynamic scheduler's end
-  // marker arrives there).
+  // stage/phase carry the pipeline position across tiles.
   template <int kN>
   __device__ __forceinline__ static void run(float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2],
                                              uint8_t* smem_b, const uint8_t* smem_a,
                                              const uint8_t* smem_sf, uint64_t* full_bars,
                                              uint64_t* empty_bars, int num_k_blocks, int wg,
-                                             int tid, int& stage, uint32_t& phase,
-                                             BlockFrags (&carry)[2], bool preconverted,
-                                             bool convert_next) {
-    if constexpr (kCrossTile) {
-      run_overlapped<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg,
-                         tid, stage, phase, carry, preconverted, convert_next);
-    } else if constexpr (Cfg::kWarpMma) {
+                                             int tid, int& stage, uint32_t& phase) {
+    if constexpr (Cfg::kWarpMma) {
       run_warp<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg, tid,
                    stage, phase);
     } else if constexpr (Cfg::kOverlapConvert) {
-      BlockFrags frags[2];
       run_overlapped<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg,
-                         tid, stage, phase, frags, false, false);
+                         tid, stage, phase);
     } else {
       run_serial<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg, tid,
                      stage, phase);
@@ -344,8 +330,7 @@ struct Mainloop {
   __device__ __forceinline__ static void run_overlapped(
       float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
       const uint8_t* smem_sf, uint64_t* full_bars, uint64_t* empty_bars, int num_k_blocks, int wg,
-      int tid, int& stage, uint32_t& phase, BlockFrags (&frags)[2], bool preconverted,
-      bool convert_next) {
+      int tid, int& stage, uint32_t& phase) {
     static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "wgmma N");
     if constexpr (MEGAMOE_DIAG_MAINLOOP == 2) {
 #pragma unroll
@@ -362,14 +347,10 @@ struct Mainloop {
     }
     const int num_k_stages = num_k_blocks / Cfg::kKBlocksPerStage;
     const ThreadAddrs addrs = thread_addrs(smem_a, smem_sf, wg, tid);
-    if (!preconverted) {
-      ptx::mbar_wait(&full_bars[stage], phase);
-      const ThreadAddrs first = at_stage(addrs, stage);
-      load_convert_block(first.a, first.sf, frags[0]);
-    }
-    // The last stage converts the next stage's first block when the next tile asks for it: its
-    // last unit uses set 1 (an even number of units per stage, or two stages per iteration with
-    // the second on the odd set) or copies set 1 into set 0 (kCopySets), so it lands in set 0.
+    BlockFrags frags[2];
+    ptx::mbar_wait(&full_bars[stage], phase);
+    const ThreadAddrs first = at_stage(addrs, stage);
+    load_convert_block(first.a, first.sf, frags[0]);
     auto advance = [&] {
       if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
     };
@@ -379,7 +360,7 @@ struct Mainloop {
       constexpr bool kCopy = decltype(copy_tag)::value;
       for (int ks = 0; ks < num_k_stages; ++ks) {
         overlapped_stage<kN, 0, kCopy>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0,
-                                       ks + 1 < num_k_stages || convert_next, stage, phase, frags);
+                                       ks + 1 < num_k_stages, stage, phase, frags);
         advance();
       }
     };
@@ -392,7 +373,7 @@ struct Mainloop {
                                        stage, phase, frags);
         advance();
         overlapped_stage<kN, 1, false>(acc, smem_b, addrs, full_bars, empty_bars, false,
-                                       ks + 2 < num_k_stages || convert_next, stage, phase, frags);
+                                       ks + 2 < num_k_stages, stage, phase, frags);
         advance();
       }
     } else {

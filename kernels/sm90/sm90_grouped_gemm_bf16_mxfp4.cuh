@@ -386,10 +386,6 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     // path was still compiled into Decode16X2K2).
     auto live_splits = [&] { return split_k_units<Cfg>(p, sched.total_tiles()); };
     int units_done = 0;  // (diagnostics only)
-    // The overlapped loop's register sets, carried across tiles (Mainloop::kCrossTile): set 0
-    // holds the next tile's first weight block when the previous run converted it.
-    typename ML::BlockFrags carry[2];
-    bool preconverted = false;
     // The unit after u: the producer names it in the stage it fills first (-1: none), or the
     // static split's.
     auto next_unit = [&](int u) {
@@ -407,17 +403,10 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
         valid[sub] = wg * Cfg::kMBlocksPerWG + sub < tile.num_m_blocks;
       }
-      // A next tile exists (static split), or the producer names it or the end in the next
-      // stage (dynamic): either way the next stage fills, so its first block can be converted.
-      const bool convert_next =
-          ML::kCrossTile &&
-          (dynamic || u + static_cast<int>(gridDim.x) < sched.total_tiles() * n_splits);
       dispatch_n<Cfg::kNStep, Cfg::kBlockN>(tile.num_rows, [&](auto n_tag) {
         ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
-                                                  empty_bars, unit_k_blocks, wg, tid, stage, phase,
-                                                  carry, preconverted, convert_next);
+                                                  empty_bars, unit_k_blocks, wg, tid, stage, phase);
       });
-      preconverted = convert_next;
       if (wg == 0 && tid == 0 && u == static_cast<int>(blockIdx.x)) diag::stamp(diag::kFirstUnitDone);
       if constexpr (Cfg::kSupportsSplitK) {
         const int n_splits = live_splits();
