@@ -237,6 +237,12 @@ struct Mainloop {
   // are an unrolled loop of compile-time length (a wgmma under a data-dependent branch
   // serializes them all, C7520), so K must be a multiple of the stage depth (the launcher's
   // check).
+  // NOTES (rejected, v17): wait_group 1 across units (the next unit's wgmmas queued behind the
+  // current ones): ptxas serialized the wgmmas of every prefill config (C7511, "insufficient
+  // register resources for the wgmma pipeline"). A __syncwarp after each commit, which keeps a
+  // unit's four wgmmas together (ptxas otherwise spreads them over the next conversion): 0.95-1.01x
+  // (H200, 4670141). The next tile's first block converted during the tile's last wgmmas
+  // (register sets carried across tiles): 0.98-1.01x (H200, 3bb5243). docs/perf.md, tuning log v17.
   // NOTES: why two stages per iteration: with one unit per stage (the 128 x 192 prefill tiles,
   // one weight block per warpgroup and one k-block per stage) the copy was 16 MOVs per unit on
   // top of ~80 instructions (SASS of PrefillWideAsync L1, 04896d4).
