@@ -34,6 +34,13 @@
 #define MEGAMOE_DIAG_MAINLOOP 0
 #endif
 
+// MEGAMOE_DIAG_SMEM_A_NOBAR (measurement builds only): 1 replaces the warpgroup barriers of
+// run_smem_a by __syncwarp (each warp then orders only its own rows of the A buffers: a race
+// unless the wgmma of a warp reads only that warp's 16 rows), to time the loop without them.
+#ifndef MEGAMOE_DIAG_SMEM_A_NOBAR
+#define MEGAMOE_DIAG_SMEM_A_NOBAR 0
+#endif
+
 namespace megamoe::sm90 {
 
 __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t sf_word, int byte) {
@@ -427,6 +434,13 @@ struct Mainloop {
                              static_cast<uint32_t>((16 * warp + 8 * (mi & 1) + r) * 128 +
                                                    (((mi >> 1) ^ r) << 4));
     const uint32_t bar_id = static_cast<uint32_t>(Cfg::kBarABuf + wg);
+    auto wg_sync = [&] {
+      if constexpr (MEGAMOE_DIAG_SMEM_A_NOBAR) {
+        __syncwarp();
+      } else {
+        ptx::named_barrier_sync(bar_id, Cfg::kWarpgroupThreads);
+      }
+    };
     auto store_block = [&](const BlockFrags& f, int buf) {
       const uint32_t base = st_lane + static_cast<uint32_t>(buf * Cfg::kABufBytes);
 #pragma unroll
@@ -442,9 +456,9 @@ struct Mainloop {
       load_convert_block(first.a, first.sf, f);
       // Every warp's wgmmas of the previous tile are done (wait_group 0 at its end) before
       // either buffer is written.
-      ptx::named_barrier_sync(bar_id, Cfg::kWarpgroupThreads);
+      wg_sync();
       store_block(f, 0);
-      ptx::named_barrier_sync(bar_id, Cfg::kWarpgroupThreads);
+      wg_sync();
     }
     for (int ks = 0; ks < num_k_stages; ++ks) {
       const bool has_next_stage = ks + 1 < num_k_stages;
@@ -488,9 +502,9 @@ struct Mainloop {
           // The previous unit was the previous stage's last: release that stage.
           if (first_unit && ks != 0) ptx::mbar_arrive(&empty_bars[prev_stage]);
           if (has_next) {
-            ptx::named_barrier_sync(bar_id, Cfg::kWarpgroupThreads);  // every warp's are
+            wg_sync();  // every warp's are
             store_block(f, buf ^ 1);
-            ptx::named_barrier_sync(bar_id, Cfg::kWarpgroupThreads);
+            wg_sync();
           }
           buf ^= 1;
         }
