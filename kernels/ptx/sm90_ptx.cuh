@@ -202,20 +202,6 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_row_addr, uint32
                ::"r"(smem_row_addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
-// Stores four 8x8 b16 matrices from the mma fragment layout (lane l holds row l / 4, columns
-// 2 (l % 4) + {0, 1} of matrix j in register j): row r of matrix j (16 bytes, 16-byte aligned)
-// goes to the address given by lane 8 j + r. Volatile, ordered with the other shared accesses.
-__device__ __forceinline__ void stmatrix_x4(uint32_t smem_row_addr, const uint32_t (&r)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
-               ::"r"(smem_row_addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-}
-
-// Makes this thread's prior shared-memory writes (generic proxy) visible to the async proxy
-// (a wgmma reading them through a descriptor, after a barrier with the other writers).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // Loads four 8x8 b16 matrices in the mma fragment layout (lane l gets row l / 4, columns
 // 2 (l % 4) + {0, 1} of matrix j in register j); lane 8 j + r gives the 16-byte aligned address
 // of row r of matrix j. Volatile: never moved above the barrier wait that makes the rows valid.

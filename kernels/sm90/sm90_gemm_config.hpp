@@ -105,14 +105,9 @@ MEGAMOE_HD bool gate_admits(const GemmParams& p, int64_t rows, int hits) {
 template <int kNumMathWG_, int kMBlocksPerWG_, int kBlockN_, int kNStep_, int kNumStages_,
           int kMinBlocksPerSM_, bool kOverlapConvert_ = false, bool kStagedEpilogue_ = false,
           int kKBlocksPerStage_ = 1, bool kAsyncEpilogue_ = false, bool kSplitK_ = false,
-          int kEpilogueWG_ = 1, bool kWarpMma_ = false, bool kSmemA_ = false>
+          int kEpilogueWG_ = 1, bool kWarpMma_ = false>
 struct GemmConfig {
   static constexpr bool kOverlapConvert = kOverlapConvert_;
-  // kSmemA: the overlapped conversion writes each unit's BF16 A block to shared memory
-  // (stmatrix, the 128B-swizzled K-major layout of the B stages) and the wgmmas read both
-  // operands from there (SS), two A buffers per math warpgroup (Mainloop::run_smem_a): no wgmma
-  // reads the math warps' registers, and the next unit's wgmmas queue behind the current ones.
-  static constexpr bool kSmemA = kSmemA_;
   // kWarpMma: the overlapped configs' conversion feeding warp-level MMAs (mma.sync m16n8k16, B
   // fragments by ldmatrix) instead of wgmma: every warp runs its own 16 rows, with no warpgroup
   // fence, descriptor or wait_group per weight block (Mainloop::run_warp).
@@ -189,13 +184,7 @@ struct GemmConfig {
   static constexpr size_t kStageBlocks = kAsyncEpilogue ? kNumMathWG * kMBlocksPerWG : kNumMathWG;
   static constexpr size_t kStageBytes =
       kStagedEpilogue ? kStageBlocks * kBlockN * kStagePitch * sizeof(uint16_t) : 0;
-  // kSmemA: the converted A blocks, [math warpgroup][2 buffers][64 rows x 128 bytes], swizzled.
-  static constexpr int kABufBytes = sm90_layout::kBlockRows * sm90_layout::kBlockK * 2;
-  static constexpr size_t kOffABuf = (kOffStage + kStageBytes + 1023) / 1024 * 1024;
-  static constexpr size_t kABufTotalBytes = kSmemA ? static_cast<size_t>(kNumMathWG) * 2 * kABufBytes : 0;
-  // Named barrier of math warpgroup w's A buffers (kSmemA): kBarABuf + w.
-  static constexpr int kBarABuf = kAsyncEpilogue ? kBarStageFree + 2 * kNumMathWG - 1 : 1 + kNumMathWG;
-  static constexpr size_t kOffSchedule = kSmemA ? kOffABuf + kABufTotalBytes : kOffStage + kStageBytes;
+  static constexpr size_t kOffSchedule = kOffStage + kStageBytes;
   static constexpr size_t kAlignSlack = 1024;  // the dynamic smem base is re-aligned to 1024
   // Split-K (kSplitK_): the kernel takes GemmParams::k_splits. Only configs where one warpgroup
   // owns the whole tile (its accumulators are the tile's partial sums) and no other warps finish
@@ -228,9 +217,6 @@ struct GemmConfig {
                 "warp-level MMAs: the overlapped conversion, no asynchronous epilogue");
   static_assert(kEpilogueWG == 1 || (kEpilogueWG == 2 && kAsyncEpilogue),
                 "a second epilogue warpgroup: asynchronous epilogue only");
-  static_assert(!kSmemA || (kOverlapConvert && !kWarpMma && kBarABuf + kNumMathWG - 1 <= 15),
-                "A in shared memory: the overlapped wgmma mainloop, a free named barrier per math "
-                "warpgroup");
   static_assert(!kSplitK_ || (kNumMathWG == 1 && !kAsyncEpilogue),
                 "split-K: one math warpgroup owns the tile");
   static_assert(!kAsyncEpilogue || (kStagedEpilogue && kOverlapConvert && kMinBlocksPerSM == 1 &&
@@ -431,12 +417,5 @@ using PrefillAsyncK2N64Config = GemmConfig<2, 2, 64, 16, 5, 1, true, true, 2, tr
 //            36, 31, 1 instructions): 0.95x here, 0.96-0.98x in PrefillK2, 0.99-1.01x in
 //            PrefillWideAsync (same call, tiles 55, 57, 56 there).
 using PrefillAsyncK2N96E2Config = GemmConfig<2, 2, 96, 8, 3, 1, true, true, 2, true, false, 2>;
-//   PrefillAsyncK2N96E2Smem / PrefillWideAsyncSmem (candidates): PrefillAsyncK2N96E2 and
-//            PrefillWideAsync (4 stages: the A buffers take 32 KiB) with A through shared memory
-//            (GemmConfig::kSmemA, SS wgmmas).
-using PrefillAsyncK2N96E2SmemConfig =
-    GemmConfig<2, 2, 96, 8, 3, 1, true, true, 2, true, false, 2, false, true>;
-using PrefillWideAsyncSmemConfig =
-    GemmConfig<2, 1, 192, 8, 4, 1, true, true, 1, true, false, 1, false, true>;
 
 }  // namespace megamoe::sm90

@@ -23,7 +23,6 @@
 #include "layout/sm90_weight_layout.hpp"
 #include "ptx/sm90_ptx.cuh"
 #include "ptx/sm90_wgmma_bf16_rs.cuh"
-#include "ptx/sm90_wgmma_bf16_ss.cuh"
 
 // MEGAMOE_DIAG_MAINLOOP (measurement builds only, never set by the build files): 1 replaces the
 // conversion of the overlapped mainloop by a copy of the loaded words (the wgmmas, loads and
@@ -32,13 +31,6 @@
 // conversion, or the copies alone (docs/perf.md, "How it is measured").
 #ifndef MEGAMOE_DIAG_MAINLOOP
 #define MEGAMOE_DIAG_MAINLOOP 0
-#endif
-
-// MEGAMOE_DIAG_SMEM_A_NOBAR (measurement builds only): 1 replaces the warpgroup barriers of
-// run_smem_a by __syncwarp (each warp then orders only its own rows of the A buffers: a race
-// unless the wgmma of a warp reads only that warp's 16 rows), to time the loop without them.
-#ifndef MEGAMOE_DIAG_SMEM_A_NOBAR
-#define MEGAMOE_DIAG_SMEM_A_NOBAR 0
 #endif
 
 namespace megamoe::sm90 {
@@ -75,10 +67,7 @@ struct Mainloop {
                                              const uint8_t* smem_sf, uint64_t* full_bars,
                                              uint64_t* empty_bars, int num_k_blocks, int wg,
                                              int tid, int& stage, uint32_t& phase) {
-    if constexpr (Cfg::kSmemA) {
-      run_smem_a<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg, tid,
-                     stage, phase);
-    } else if constexpr (Cfg::kWarpMma) {
+    if constexpr (Cfg::kWarpMma) {
       run_warp<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg, tid,
                    stage, phase);
     } else if constexpr (Cfg::kOverlapConvert) {
@@ -254,6 +243,14 @@ struct Mainloop {
   // unit's four wgmmas together (ptxas otherwise spreads them over the next conversion): 0.95-1.01x
   // (H200, 4670141). The next tile's first block converted during the tile's last wgmmas
   // (register sets carried across tiles): 0.98-1.01x (H200, 3bb5243). docs/perf.md, tuning log v17.
+  // NOTES (rejected, v18): A through shared memory (each unit's converted block stored with
+  // stmatrix into a 128B-swizzled buffer, SS wgmmas, two buffers per warpgroup, wait_group 1 per
+  // unit, so no wgmma reads the registers the conversion writes and the next unit's wgmmas queue
+  // behind the current ones): 0.82-0.88x in the 256 x 96 and 128 x 192 tiles at T = 4096 / 8192
+  // (H200, b8762d1); with the warpgroup barriers taken out (a measurement build, 03c085c) only
+  // 0.99-1.04x of that.
+  // The stores and the wgmmas' A reads more than double the shared-memory traffic per unit
+  // (L1TEX 63 % busy against 36 %, Nsight Compute, Kimi-K3 T = 4096 L1).
   // NOTES: why two stages per iteration: with one unit per stage (the 128 x 192 prefill tiles,
   // one weight block per warpgroup and one k-block per stage) the copy was 16 MOVs per unit on
   // top of ~80 instructions (SASS of PrefillWideAsync L1, 04896d4).
@@ -396,128 +393,6 @@ struct Mainloop {
     } else {
       stage_loop(std::true_type{});
     }
-  }
-
-  // ---- A through shared memory (Cfg::kSmemA): the overlapped loop's units (stage, k-block j,
-  // weight block sub), with each unit's converted A block stored to one of the warpgroup's two
-  // A buffers (stmatrix into the 128B-swizzled K-major layout the B stages have) and its four
-  // wgmmas reading both operands from shared memory. Per unit u:
-  //   wgmmas of u (A buffer u % 2); commit; load and convert unit u + 1 into registers;
-  //   wait_group 1 (this warp's wgmmas of u - 1 are done); barrier (every warp's are: the
-  //   buffer of u - 1 is free); store u + 1 to buffer (u + 1) % 2; fence.proxy.async; barrier
-  //   (the block is complete and visible to the wgmmas of u + 1).
-  // The wgmmas of u + 1 are then issued while those of u may still run: the tensor pipe gets
-  // the next unit without a drain, and no wgmma reads registers the conversion writes.
-  // A stage is released once the wgmmas of its last unit are done (the next unit's wait_group).
-  // NOTES: why: Nsight Compute on the RS loop (v11-v13) showed the math warps issuing 0.34-0.37
-  // instructions per cycle with dispatch stalls on the conversion's ALU instructions while an
-  // RS wgmma read its A registers, and the tensor pipe 41-45 % busy at Kimi-K3 T = 4096.
-  template <int kN>
-  __device__ __forceinline__ static void run_smem_a(float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2],
-                                                    uint8_t* smem_b, const uint8_t* smem_a,
-                                                    const uint8_t* smem_sf, uint64_t* full_bars,
-                                                    uint64_t* empty_bars, int num_k_blocks,
-                                                    int wg, int tid, int& stage, uint32_t& phase) {
-    static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "wgmma N");
-    constexpr int kKSub = Cfg::kKBlocksPerStage;
-    constexpr uint32_t kBufDesc = Cfg::kABufBytes / 16;  // descriptor units between the buffers
-    const ThreadAddrs addrs = thread_addrs(smem_a, smem_sf, wg, tid);
-    // This warpgroup's A buffers (smem_b is the 1024-aligned base of the layout: kOffB == 0).
-    static_assert(Cfg::kOffB == 0 && Cfg::kOffABuf % 1024 == 0, "A buffers 1024-aligned");
-    uint8_t* abuf = smem_b + Cfg::kOffABuf + static_cast<size_t>(wg) * 2 * Cfg::kABufBytes;
-    const uint32_t adesc0 = __shfl_sync(0xFFFFFFFFu, ptx::smem_desc_k128b_lo(abuf), 0);
-    // stmatrix row addresses: lane 8 i + r stores row r of matrix i of the warp's A fragments
-    // of a k16 step: rows 16 warp + 8 (i & 1) + r, 16-byte chunk 2 s + (i >> 1) of the row, at
-    // chunk ^ r under the 128-byte swizzle (so step s is the step-0 address with 32 s xored in).
-    const int lane = tid % 32, warp = tid / 32, mi = lane / 8, r = lane % 8;
-    const uint32_t st_lane = ptx::smem_addr(abuf) +
-                             static_cast<uint32_t>((16 * warp + 8 * (mi & 1) + r) * 128 +
-                                                   (((mi >> 1) ^ r) << 4));
-    const uint32_t bar_id = static_cast<uint32_t>(Cfg::kBarABuf + wg);
-    auto wg_sync = [&] {
-      if constexpr (MEGAMOE_DIAG_SMEM_A_NOBAR) {
-        __syncwarp();
-      } else {
-        ptx::named_barrier_sync(bar_id, Cfg::kWarpgroupThreads);
-      }
-    };
-    auto store_block = [&](const BlockFrags& f, int buf) {
-      const uint32_t base = st_lane + static_cast<uint32_t>(buf * Cfg::kABufBytes);
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s) ptx::stmatrix_x4(base ^ static_cast<uint32_t>(s * 32), f[s]);
-      ptx::fence_proxy_async_shared();
-    };
-    const int num_k_stages = num_k_blocks / kKSub;
-    int buf = 0;
-    {
-      BlockFrags f;
-      ptx::mbar_wait(&full_bars[stage], phase);
-      const ThreadAddrs first = at_stage(addrs, stage);
-      load_convert_block(first.a, first.sf, f);
-      // Every warp's wgmmas of the previous tile are done (wait_group 0 at its end) before
-      // either buffer is written.
-      wg_sync();
-      store_block(f, 0);
-      wg_sync();
-    }
-    for (int ks = 0; ks < num_k_stages; ++ks) {
-      const bool has_next_stage = ks + 1 < num_k_stages;
-      const int next_stage = stage + 1 == Cfg::kNumStages ? 0 : stage + 1;
-      const uint32_t next_phase = stage + 1 == Cfg::kNumStages ? phase ^ 1u : phase;
-      const int prev_stage = stage == 0 ? Cfg::kNumStages - 1 : stage - 1;
-      const uint32_t desc_stage = __shfl_sync(
-          0xFFFFFFFFu, ptx::smem_desc_k128b_lo(smem_b + stage * Cfg::kSmemBBytes), 0);
-      const ThreadAddrs here = at_stage(addrs, stage);
-#pragma unroll
-      for (int j = 0; j < kKSub; ++j) {
-        const uint32_t scale_d0 = ks != 0 || j != 0 ? 1u : 0u;
-#pragma unroll
-        for (int sub = 0; sub < kMBlocksPerWG; ++sub) {
-          const uint32_t adesc = adesc0 + static_cast<uint32_t>(buf) * kBufDesc;
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int s = 0; s < kSteps; ++s) {
-            const uint32_t bdesc = desc_stage + static_cast<uint32_t>(
-                                                    (j * Cfg::kSmemBBoxBytes + s * sm90_layout::kStepK * 2) / 16);
-            ptx::WgmmaBf16SS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
-                acc[sub], adesc + static_cast<uint32_t>(s * sm90_layout::kStepK * 2 / 16), bdesc,
-                s == 0 ? scale_d0 : 1u);
-          }
-          ptx::wgmma_commit();
-          const bool first_unit = j == 0 && sub == 0;
-          BlockFrags f;
-          bool has_next = true;
-          if (sub + 1 < kMBlocksPerWG) {
-            load_convert_block(here.a + a_offset(sub + 1, j), here.sf + sf_offset(sub + 1, j), f);
-          } else if (j + 1 < kKSub) {
-            load_convert_block(here.a + a_offset(0, j + 1), here.sf + sf_offset(0, j + 1), f);
-          } else if (has_next_stage) {  // uniform over the warpgroup
-            ptx::mbar_wait(&full_bars[next_stage], next_phase);
-            const ThreadAddrs next = at_stage(addrs, next_stage);
-            load_convert_block(next.a, next.sf, f);
-          } else {
-            has_next = false;
-          }
-          ptx::wgmma_wait<1>();  // this warp's wgmmas of the previous unit are done
-          // The previous unit was the previous stage's last: release that stage.
-          if (first_unit && ks != 0) ptx::mbar_arrive(&empty_bars[prev_stage]);
-          if (has_next) {
-            wg_sync();  // every warp's are
-            store_block(f, buf ^ 1);
-            wg_sync();
-          }
-          buf ^= 1;
-        }
-      }
-      if (has_next_stage) {
-        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
-      }
-    }
-    // The tile's last wgmmas: done before the epilogue reads the accumulators; then the last
-    // stage is released (every math thread arrives, as in the overlapped loop).
-    ptx::wgmma_wait<0>();
-    ptx::mbar_arrive(&empty_bars[stage]);
-    if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
   }
 
   // ---- warp-level MMA mainloop (Cfg::kWarpMma): per stage, each warp converts its 16 rows of

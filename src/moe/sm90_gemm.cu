@@ -314,10 +314,6 @@ bool with_tile_config(GemmTile tile, F&& f) {
     case GemmTile::kPrefillAsyncK2N96: multiple(TypeTag<PrefillAsyncK2N96Config>{}); return true;
     case GemmTile::kPrefillAsyncK2N64: multiple(TypeTag<PrefillAsyncK2N64Config>{}); return true;
     case GemmTile::kPrefillAsyncK2N96E2: multiple(TypeTag<PrefillAsyncK2N96E2Config>{}); return true;
-    case GemmTile::kPrefillAsyncK2N96E2Smem:
-      multiple(TypeTag<PrefillAsyncK2N96E2SmemConfig>{});
-      return true;
-    case GemmTile::kPrefillWideAsyncSmem: any(TypeTag<PrefillWideAsyncSmemConfig>{}); return true;
     case GemmTile::kDecode8X2K2Warp:
       twin(TypeTag<Decode8X2K2WarpConfig>{}, TypeTag<Decode8X2OverlapWarpConfig>{});
       return true;

@@ -95,10 +95,8 @@ enum class GemmTile : int {
   // 54 was kPrefillAsyncK2N96E2 with N steps of 8, now 38 itself (1.02x, H200, 4670141); 55, 56,
   // 57 and 58 were 38, 28, 25 and 54 with their wgmmas issued back to back, removed: 0.95-1.01x.
   // 59 was kPrefillWideAsync with N steps of 8, now 28 itself (1.01-1.02x, H200, c18793d).
-  kPrefillAsyncK2N96E2Smem = 60,  // kPrefillAsyncK2N96E2 with A through shared memory (SS
-                                  // wgmmas; candidate; K % 128 == 0)
-  kPrefillWideAsyncSmem = 61,     // kPrefillWideAsync with A through shared memory, 4 stages
-                                  // (candidate)
+  // 60 and 61 were 38 and 28 with A through shared memory (SS wgmmas), removed: 0.82-0.88x
+  // (H200, b8762d1, tuning log v18).
   kDecode8X4KWarp = 53,      // kDecode8X2K2Warp with 4 k-blocks per stage, 2 stages (K % 256
                              // == 0); kAuto's 128 x 8 tile where K allows, 46 elsewhere
   // 49 and 50 were kDecode8X2K2Warp / kDecode16X2K2Warp on two math warpgroups of one 64-row

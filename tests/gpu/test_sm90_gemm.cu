@@ -540,9 +540,7 @@ constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::Gem
                                           sm90::GemmTile::kDecode16X4Overlap,
                                           sm90::GemmTile::kDecode16X4K2,
                                           sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N96,
-                                          sm90::GemmTile::kPrefillAsyncK2N96E2Smem,
-                                          sm90::GemmTile::kPrefillWideAsyncSmem};
+                                          sm90::GemmTile::kPrefillAsyncK2N96};
 
 // Every tile configuration forced on the same problems (kAuto picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
@@ -1057,8 +1055,6 @@ TEST(Sm90GemmBench, DISABLED_Shapes) {
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N64);
         variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2);
-        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2Smem);
-        variants.push_back(sm90::GemmTile::kPrefillWideAsyncSmem);
       }
       // Split-K (T <= 8): the 128-row split tile forced with 1..kMaxKSplits K parts.
       // Modes (kAuto only; every other row is mode 0):
