@@ -121,14 +121,15 @@ constexpr uint32_t kE2m1Bits = 0x81C081C0u;   // BF16 bits 15, 8..6 of both halv
 constexpr uint32_t kA3InPlace = 0x80C080C0u;  // a3: sign, e0, m stored where they decode
 constexpr uint32_t kA3Shifted = 0x01000100u;  // a3: e1, stored 8 bits lower (bits 0 and 16)
 
-// rotr(w, n), 0 < n < 32. On the GPU as one 32 x 32 -> 64-bit multiply by 2^(32 - n) (its high
-// word is w >> n, its low word w << (32 - n); the caller's mask ORs them in the same LOP3): the
-// multiply issues to the FMA pipe, a funnel shift to the integer pipe that the masks load.
+// rotr(w, n), 0 < n < 32. On the GPU one funnel shift (SHF.R.W).
+// NOTES: why not a 32 x 32 -> 64-bit multiply by 2^(32 - n) (IMAD.WIDE, high word | low word in
+// the caller's LOP3), which v7 chose to move work from the integer to the FMA pipe: with RS
+// wgmmas in flight, a micro-benchmark of the prefill loop (bench/micro/wgmma_conversion.cu, two
+// math warpgroups, m64n80k16) keeps the tensor pipe 66.6 % busy with the IMAD.WIDE rotations and
+// 81-83 % with funnel shifts; 48 IMAD.WIDE per unit alone hold it at 39 % (docs/perf.md v19).
 MEGAMOE_HD uint32_t rotr32(uint32_t w, int n) {
 #ifdef __CUDA_ARCH__
-  uint64_t p;
-  asm("mul.wide.u32 %0, %1, %2;" : "=l"(p) : "r"(w), "r"(1u << (32 - n)));
-  return static_cast<uint32_t>(p) | static_cast<uint32_t>(p >> 32);
+  return __funnelshift_r(w, w, n);
 #else
   return (w >> n) | (w << (32 - n));
 #endif
