@@ -1,0 +1,174 @@
+// Micro-benchmark: how busy can the tensor pipe be with RS wgmma m64nNk16 (BF16) issued the way
+// the prefill mainloop issues them, with and without the E2M1 conversion between issue and wait?
+// One CTA per SM, NWG math warpgroups, no TMA and no barriers: the B tile and the weight words sit
+// in shared memory for the whole run. Prints tensor-pipe utilization = ideal cycles / cycles,
+// ideal = MACs / 2048 per SM cycle (dense BF16).
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+
+#include "ptx/sm90_ptx.cuh"
+#include "ptx/sm90_wgmma_bf16_rs.cuh"
+#include "layout/sm90_weight_layout.hpp"
+
+using namespace megamoe;
+
+constexpr int kUnits = 4096;  // units per warpgroup
+
+// MODE 0: unit u: 4 wgmmas on acc[u & 1] from set u & 1; commit; convert u + 1 into the other set; wait 0
+// MODE 1: pair: 8 wgmmas interleaved acc0 / acc1 (two chains) from sets p & 1; commit; convert both next
+//         blocks into the other sets; wait 0 (one wait per two units)
+// MODE 2: unit u: 4 wgmmas on acc[u & 1] from set u % 3; commit; convert u + 1 into set (u + 1) % 3; wait 1
+// MODE 3: like 0 but no conversion at all (A registers constant): the wgmma chain alone
+template <int N, int NWG, int MODE, bool CONVERT>
+__global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long long* cycles, float* sink) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  // B: N rows x 128 bytes (64 bf16 of k), 128B swizzle; weight words: 2 blocks x 2048 bytes per WG
+  uint8_t* b_tile = smem;
+  uint32_t* words = reinterpret_cast<uint32_t*>(smem + ((N * 128 + 1023) / 1024) * 1024);
+  const int tid = threadIdx.x;
+  for (int i = tid; i < N * 32; i += blockDim.x) reinterpret_cast<uint32_t*>(b_tile)[i] = 0x3C003C00u ^ (gw[i % 4096] & 0x00FF00FFu);
+  for (int i = tid; i < NWG * 2 * 512 + 64; i += blockDim.x) words[i] = gw[(i * 7) % 4096];
+  __syncthreads();
+  const int wg = tid / 128, t = tid % 128;
+  const uint32_t wbase = ptx::smem_addr(words + wg * 1024) + t * 16;
+  const uint32_t sfaddr = ptx::smem_addr(words + NWG * 1024) + (t % 32) * 4;
+  const uint32_t desc_lo = ptx::smem_desc_k128b_lo(b_tile);
+  float acc[2][N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) { acc[0][i] = 0.f; acc[1][i] = 0.f; }
+  constexpr int kSets = MODE == 2 ? 3 : MODE == 1 ? 4 : 2;
+  uint32_t fr[kSets][4][4];
+  auto convert = [&](int set, int blk) {
+    const uint4 wv = ptx::ld_shared_v4_at(wbase + blk * 2048);
+    const uint32_t sfw = ptx::ld_shared_u32_at(sfaddr);
+    const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
+    if constexpr (CONVERT) {
+      const uint32_t sc0 = (__byte_perm(sfw, 0u, 0x4140) * 128u) & 0x7F807F80u;
+      const uint32_t sc1 = (__byte_perm(sfw, 0u, 0x4342) * 128u) & 0x7F807F80u;
+      const uint32_t sc[2] = {sc0, sc1};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t bits[4];
+        sm90_layout::decode_word_bits(ws[s], bits);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          fr[set][s][i] = s < 2 ? ptx::mul_bf16x2_by_half<false>(bits[i], sc[i & 1])
+                                : ptx::mul_bf16x2_by_half<true>(bits[i], sc[i & 1]);
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fr[set][s][i] = ws[s];
+    }
+  };
+  auto issue = [&](int set, int a) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+      ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[a], fr[set][s], desc_lo + 2 * s, 1);
+  };
+  convert(0, 0);
+  convert(1, 1);
+  if constexpr (MODE == 2) convert(2, 0);
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + wg), "r"(128));
+  const long long t0 = clock64();
+  if constexpr (MODE == 0 || MODE == 3) {
+#pragma unroll 1
+    for (int u = 0; u < kUnits; u += 2) {
+      ptx::wgmma_fence();
+      issue(0, 0);
+      ptx::wgmma_commit();
+      if constexpr (MODE == 0) convert(1, 1);
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence();
+      issue(1, 1);
+      ptx::wgmma_commit();
+      if constexpr (MODE == 0) convert(0, 0);
+      ptx::wgmma_wait<0>();
+    }
+  } else if constexpr (MODE == 1) {
+    convert(2, 0);
+    convert(3, 1);
+#pragma unroll 1
+    for (int u = 0; u < kUnits; u += 4) {
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[0], fr[0][s], desc_lo + 2 * s, 1);
+        ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[1], fr[1][s], desc_lo + 2 * s, 1);
+      }
+      ptx::wgmma_commit();
+      convert(2, 0);
+      convert(3, 1);
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[0], fr[2][s], desc_lo + 2 * s, 1);
+        ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[1], fr[3][s], desc_lo + 2 * s, 1);
+      }
+      ptx::wgmma_commit();
+      convert(0, 0);
+      convert(1, 1);
+      ptx::wgmma_wait<0>();
+    }
+  } else {
+#pragma unroll 1
+    for (int u = 0; u < kUnits; u += 3) {
+      ptx::wgmma_fence(); issue(0, 0); ptx::wgmma_commit(); convert(1, 1); ptx::wgmma_wait<1>();
+      ptx::wgmma_fence(); issue(1, 1); ptx::wgmma_commit(); convert(2, 0); ptx::wgmma_wait<1>();
+      ptx::wgmma_fence(); issue(2, 0); ptx::wgmma_commit(); convert(0, 1); ptx::wgmma_wait<1>();
+    }
+    ptx::wgmma_wait<0>();
+  }
+  const long long t1 = clock64();
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) s += acc[0][i] + acc[1][i];
+  if (s == 1234.5f) sink[tid] = s;
+  if (t == 0) cycles[blockIdx.x * NWG + wg] = t1 - t0;
+}
+
+template <int N, int NWG, int MODE, bool CONVERT>
+void run(const uint32_t* gw, long long* d_cyc, float* sink, const char* name) {
+  auto k = kern<N, NWG, MODE, CONVERT>;
+  const int smem = ((N * 128 + 1023) / 1024) * 1024 + (NWG * 1024 + 64) * 4;
+  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  int sms = 132;
+  for (int rep = 0; rep < 2; ++rep) k<<<sms, 128 * NWG, smem>>>(gw, d_cyc, sink);
+  cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) { printf("%s: %s\n", name, cudaGetErrorString(e)); return; }
+  std::vector<long long> c(sms * NWG);
+  cudaMemcpy(c.data(), d_cyc, c.size() * 8, cudaMemcpyDeviceToHost);
+  std::sort(c.begin(), c.end());
+  const double macs_per_unit = 64.0 * N * 64;
+  const double ideal = NWG * (double)kUnits * macs_per_unit / 2048.0;  // SM cycles if the pipe were always busy
+  const double med = c[c.size() / 2];
+  printf("%-34s N=%3d WG=%d  cycles/unit/WG %7.1f  tensor util %5.1f %%  (min %5.1f max %5.1f)\n", name, N,
+         NWG, med / kUnits, 100.0 * ideal / med, 100.0 * ideal / c.back(), 100.0 * ideal / c.front());
+}
+
+int main() {
+  std::vector<uint32_t> h(4096);
+  uint32_t x = 12345;
+  for (auto& v : h) { x = x * 1664525u + 1013904223u; v = x; }
+  // scale bytes < 128 (the fast path's premise): clear bit 7 of every byte of the scale words
+  uint32_t *gw; long long* cyc; float* sink;
+  cudaMalloc(&gw, 4096 * 4); cudaMalloc(&cyc, 132 * 4 * 8); cudaMalloc(&sink, 1024 * 4);
+  cudaMemcpy(gw, h.data(), 4096 * 4, cudaMemcpyHostToDevice);
+#define R(N, W, M, C) run<N, W, M, C>(gw, cyc, sink, (C ? "mode " #M " convert" : "mode " #M " copy"))
+  R(80, 1, 3, false); R(80, 2, 3, false); R(80, 3, 3, false);
+  R(80, 1, 0, false); R(80, 2, 0, false);
+  R(80, 1, 0, true);  R(80, 2, 0, true); R(80, 3, 0, true);
+  R(80, 1, 1, true);  R(80, 2, 1, true);
+  R(80, 1, 2, true);  R(80, 2, 2, true);
+  R(80, 2, 1, false); R(80, 2, 2, false);
+  R(192, 1, 3, false); R(192, 2, 3, false);
+  R(192, 2, 0, true); R(192, 2, 2, true);
+  R(128, 2, 3, false); R(128, 2, 0, true);
+  R(96, 2, 3, false); R(96, 2, 0, true); R(96, 2, 2, true);
+  return 0;
+}
