@@ -311,9 +311,6 @@ struct Mainloop {
               acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
         }
         ptx::wgmma_commit();
-        // Keeps the unit's four wgmmas together (ptxas otherwise moves the next conversion in
-        // between them, so the last two wait for it).
-        __syncwarp();
         if (sub + 1 < kMBlocksPerWG) {
           load_convert_block(here.a + a_offset(sub + 1, j), here.sf + sf_offset(sub + 1, j),
                              frags[nxt]);
