@@ -135,22 +135,12 @@ MEGAMOE_HD uint32_t rotr32(uint32_t w, int n) {
 #endif
 }
 
-// A register i of a word as a kE2m1Bits pattern.
-template <int i>
-MEGAMOE_HD uint32_t decode_register_bits(uint32_t w) {
-  static_assert(i >= 0 && i < 4, "register 0..3");
-  if constexpr (i == 0) return (w << 4) & kE2m1Bits;
-  if constexpr (i == 1) return rotr32(w, 2) & kE2m1Bits;
-  if constexpr (i == 2) return rotr32(w, 6) & kE2m1Bits;
-  return (w & kA3InPlace) | ((w << 8) & kA3Shifted);
-}
-
 // The four A registers of a word as kE2m1Bits patterns (the GEMM mainloop's decoding).
 MEGAMOE_HD void decode_word_bits(uint32_t w, uint32_t (&a)[4]) {
-  a[0] = decode_register_bits<0>(w);
-  a[1] = decode_register_bits<1>(w);
-  a[2] = decode_register_bits<2>(w);
-  a[3] = decode_register_bits<3>(w);
+  a[0] = (w << 4) & kE2m1Bits;
+  a[1] = rotr32(w, 2) & kE2m1Bits;
+  a[2] = rotr32(w, 6) & kE2m1Bits;
+  a[3] = (w & kA3InPlace) | ((w << 8) & kA3Shifted);
 }
 
 // The kE2m1Bits pattern of one E2M1 code (one BF16 half) and back.

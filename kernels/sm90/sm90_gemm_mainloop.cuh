@@ -195,9 +195,11 @@ struct Mainloop {
       }
       return;
     }
-    // E2M1 x 2^-126 as BF16x2 per A register (sign and magnitude bits moved into place), each
-    // register multiplied as soon as it is decoded.
+    // E2M1 x 2^-126 as BF16x2 per A register (sign and magnitude bits moved into place).
+    uint32_t bits[kSteps][4];
     const uint32_t words[kSteps] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) sm90_layout::decode_word_bits(words[s], bits[s]);
     // Registers 0, 2 are row g (scale byte j), registers 1, 3 row g + 8 (byte 2 + j); k16 steps
     // 0, 1 are in the first scale group (j = 0), steps 2, 3 in the second (j = 1).
     // Every scale byte b is < 128 (scale <= 2^0; the launcher runs these configs only on such
@@ -211,17 +213,13 @@ struct Mainloop {
     // (|w| > 6) run the serial configs, whose conversion takes any scale.
     const uint32_t sc[2] = {scale_folded_pair_bf16x2<0, 1>(sfw),
                             scale_folded_pair_bf16x2<2, 3>(sfw)};
-    auto finish = [&](auto reg, int s, uint32_t bits) {
-      constexpr int i = decltype(reg)::value;
-      frags[s][i] = s < 2 ? ptx::mul_bf16x2_by_half<false>(bits, sc[i & 1])
-                          : ptx::mul_bf16x2_by_half<true>(bits, sc[i & 1]);
-    };
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
-      finish(std::integral_constant<int, 0>{}, s, sm90_layout::decode_register_bits<0>(words[s]));
-      finish(std::integral_constant<int, 1>{}, s, sm90_layout::decode_register_bits<1>(words[s]));
-      finish(std::integral_constant<int, 2>{}, s, sm90_layout::decode_register_bits<2>(words[s]));
-      finish(std::integral_constant<int, 3>{}, s, sm90_layout::decode_register_bits<3>(words[s]));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        frags[s][i] = s < 2 ? ptx::mul_bf16x2_by_half<false>(bits[s][i], sc[i & 1])
+                            : ptx::mul_bf16x2_by_half<true>(bits[s][i], sc[i & 1]);
+      }
     }
   }
 
