@@ -243,6 +243,12 @@ struct Mainloop {
   // unit's four wgmmas together (ptxas otherwise spreads them over the next conversion): 0.95-1.01x
   // (H200, 4670141). The next tile's first block converted during the tile's last wgmmas
   // (register sets carried across tiles): 0.98-1.01x (H200, 3bb5243). docs/perf.md, tuning log v17.
+  // NOTES (rejected, v19): with the funnel-shift decode, the __syncwarp after each commit again
+  // (79.8 % tensor-pipe use against 73.2 % in bench/micro/wgmma_conversion.cu): 0.98-1.02x in the
+  // GEMMs (H200, 4555ddc); each register multiplied as soon as it is decoded (82.6 % against
+  // 73.2 % in the micro-benchmark at N = 80, 82.8 against 84.6 at N = 96): 0.98-1.02x (H200,
+  // 52a54a5). The micro-benchmark has no TMA, barriers or epilogue warps: its instruction orders
+  // did not carry over.
   // NOTES (rejected, v18): A through shared memory (each unit's converted block stored with
   // stmatrix into a 128B-swizzled buffer, SS wgmmas, two buffers per warpgroup, wait_group 1 per
   // unit, so no wgmma reads the registers the conversion writes and the next unit's wgmmas queue
