@@ -2,7 +2,14 @@
 // the prefill mainloop issues them, with and without the E2M1 conversion between issue and wait?
 // One CTA per SM, NWG math warpgroups, no TMA and no barriers: the B tile and the weight words sit
 // in shared memory for the whole run. Prints tensor-pipe utilization = ideal cycles / cycles,
-// ideal = MACs / 2048 per SM cycle (dense BF16).
+// ideal = MACs / 2048 per SM cycle (dense BF16). Modes: 0 the prefill loop (unit u: 4 wgmmas,
+// commit, the next unit's A registers, wait 0), 1 two accumulator chains per wait, 2 wait_group 1
+// with three register sets, 3 the wgmmas alone. "convert" is sm90_layout::decode_word_bits as the
+// kernels build it (docs/perf.md, tuning log v19, has the readings of both decodes).
+//
+// Build (here; run on the GPU machine):
+//   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//        -Ikernels -Iinclude bench/micro/wgmma_chain.cu -o wgmma_chain
 #include <cstdio>
 #include <cstdint>
 #include <vector>
