@@ -11,14 +11,8 @@
 // Build (here; run on the GPU machine):
 //   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -Ikernels -Iinclude bench/micro/wgmma_conversion.cu -o wgmma_conversion
-#include <cstdio>
-#include <cstdint>
-#include <vector>
-#include <algorithm>
-#include <cuda_runtime.h>
-#include "ptx/sm90_ptx.cuh"
-#include "ptx/sm90_wgmma_bf16_rs.cuh"
-#include "layout/sm90_weight_layout.hpp"
+#include "micro_common.cuh"
+
 using namespace megamoe;
 
 // wgmma m64nNk16 with A and B both from shared memory (K-major, 128-byte swizzle descriptors).
@@ -37,7 +31,6 @@ template <> struct WgSS<192> {
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]) : "r"(da), "r"(db), "n"(megamoe::ptx::kSmemDescK128bHi));
   }
 };
-constexpr int kUnits = 4096;
 constexpr int NWG = 2;
 
 __device__ __forceinline__ void keep(uint32_t& x) { asm volatile("" : "+r"(x)); }
@@ -45,17 +38,17 @@ __device__ __forceinline__ void keep(uint32_t& x) { asm volatile("" : "+r"(x)); 
 template <int N, int KIND, bool SS>
 __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long long* cycles, float* sink) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  uint8_t* b_tile = smem;                                    // N x 128 B
-  uint8_t* a_tile = smem + ((N * 128 + 1023) / 1024) * 1024;  // NWG x 8 KiB
+  uint8_t* b_tile = smem;                                // N x 128 B
+  uint8_t* a_tile = smem + micro::b_tile_bytes(N);       // NWG x 8 KiB (SS only)
   uint32_t* words = reinterpret_cast<uint32_t*>(a_tile + NWG * 8192);
-  const int tid = threadIdx.x;
-  for (int i = tid; i < N * 32; i += blockDim.x) reinterpret_cast<uint32_t*>(b_tile)[i] = 0x3C003C00u ^ (gw[i % 4096] & 0x00FF00FFu);
-  for (int i = tid; i < NWG * 2048; i += blockDim.x) reinterpret_cast<uint32_t*>(a_tile)[i] = 0x3C003C00u ^ (gw[(i * 3) % 4096] & 0x00FF00FFu);
-  for (int i = tid; i < NWG * 2 * 512 + 64; i += blockDim.x) words[i] = gw[(i * 7) % 4096];
+  micro::fill(b_tile, N, words, NWG, gw);
+  for (int i = threadIdx.x; i < NWG * 2048; i += blockDim.x) {
+    reinterpret_cast<uint32_t*>(a_tile)[i] = 0x3C003C00u ^ (gw[(i * 3) % micro::kRandomWords] & 0x00FF00FFu);
+  }
   __syncthreads();
+  const int tid = threadIdx.x;
   const int wg = tid / 128, t = tid % 128;
-  const uint32_t wbase = ptx::smem_addr(words + wg * 1024) + t * 16;
-  const uint32_t sfaddr = ptx::smem_addr(words + NWG * 1024) + (t % 32) * 4;
+  const micro::Addrs addrs = micro::thread_addrs(words, NWG, wg, t);
   const uint32_t desc_b = ptx::smem_desc_k128b_lo(b_tile);
   const uint32_t desc_a = ptx::smem_desc_k128b_lo(a_tile + wg * 8192);
   float acc[2][N / 2];
@@ -63,12 +56,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
   for (int i = 0; i < N / 2; ++i) { acc[0][i] = 0.f; acc[1][i] = 0.f; }
   uint32_t fr[2][4][4];
   auto produce = [&](int set, int blk) {
-    const uint4 wv = ptx::ld_shared_v4_at(wbase + blk * 2048);
-    const uint32_t sfw = ptx::ld_shared_u32_at(sfaddr);
+    const uint4 wv = ptx::ld_shared_v4_at(addrs.words + blk * 2048);
+    const uint32_t sfw = ptx::ld_shared_u32_at(addrs.sf);
     const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
-    const uint32_t sc0 = (__byte_perm(sfw, 0u, 0x4140) * 128u) & 0x7F807F80u;
-    const uint32_t sc1 = (__byte_perm(sfw, 0u, 0x4342) * 128u) & 0x7F807F80u;
-    const uint32_t sc[2] = {sc0, sc1};
+    uint32_t sc[2];
+    micro::scales(sfw, sc);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       uint32_t bits[4];
@@ -147,7 +139,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
   asm volatile("bar.sync %0, %1;" ::"r"(1 + wg), "r"(128));
   const long long t0 = clock64();
 #pragma unroll 1
-  for (int u = 0; u < kUnits; u += 2) {
+  for (int u = 0; u < micro::kUnits; u += 2) {
     ptx::wgmma_fence();
     issue(0, 0);
     ptx::wgmma_commit();
@@ -177,31 +169,15 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
 }
 
 template <int N, int KIND, bool SS>
-void run(const uint32_t* gw, long long* d_cyc, float* sink, const char* name) {
-  auto k = kern<N, KIND, SS>;
-  const int smem = ((N * 128 + 1023) / 1024) * 1024 + NWG * 8192 + (NWG * 1024 + 64) * 4;
-  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  const int sms = 132;
-  for (int rep = 0; rep < 2; ++rep) k<<<sms, 128 * NWG, smem>>>(gw, d_cyc, sink);
-  cudaError_t e = cudaDeviceSynchronize();
-  if (e != cudaSuccess) { printf("%s: %s\n", name, cudaGetErrorString(e)); return; }
-  std::vector<long long> c(sms * NWG);
-  cudaMemcpy(c.data(), d_cyc, c.size() * 8, cudaMemcpyDeviceToHost);
-  std::sort(c.begin(), c.end());
-  const double ideal = NWG * (double)kUnits * 64.0 * N * 64 / 2048.0;
-  const double med = c[c.size() / 2];
-  printf("%-28s N=%3d %s  cycles/unit/WG %7.1f  tensor util %5.1f %%\n", name, N, SS ? "SS" : "RS", med / kUnits, 100.0 * ideal / med);
+void run(const char* name) {
+  char label[64];
+  std::snprintf(label, sizeof label, "%s %s", name, SS ? "SS" : "RS");
+  micro::report(kern<N, KIND, SS>, micro::b_tile_bytes(N) + NWG * 8192 + micro::word_bytes(NWG), NWG, N, label);
 }
 
 int main() {
-  std::vector<uint32_t> h(4096);
-  uint32_t x = 12345;
-  for (auto& v : h) { x = x * 1664525u + 1013904223u; v = x & 0x7F7F7F7Fu; }
-  uint32_t* gw; long long* cyc; float* sink;
-  cudaMalloc(&gw, 4096 * 4); cudaMalloc(&cyc, 132 * 4 * 8); cudaMalloc(&sink, 1024 * 4);
-  cudaMemcpy(gw, h.data(), 4096 * 4, cudaMemcpyHostToDevice);
   const char* names[] = {"convert (decode_word_bits)", "decode, no HMUL2", "HMUL2 only (16)", "no ALU (copy)", "FFMA x48", "LOP3 x48 (3 src)", "convert, IMAD.WIDE rotations", "mul.wide x48 (+xor)", "shf.r.wrap x48", "prmt x48", "mad.lo x48", "add x48", "(unused)", "bf16x2 mul x48"};
-#define R(N, K, S) run<N, K, S>(gw, cyc, sink, names[K])
+#define R(N, K, S) run<N, K, S>(names[K])
   for (int rep = 0; rep < 2; ++rep) {
     R(80, 0, false); R(80, 6, false); R(80, 1, false); R(80, 2, false); R(80, 3, false);
     R(80, 4, false); R(80, 5, false); R(80, 7, false); R(80, 8, false); R(80, 9, false);
