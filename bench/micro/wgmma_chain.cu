@@ -7,7 +7,7 @@
 // with three register sets, 3 the wgmmas alone. "convert" is sm90_layout::decode_word_bits as the
 // kernels build it (docs/perf.md, tuning log v19, has the readings of both decodes).
 //
-// Build (here; run on the GPU machine):
+// Build: the CMake target megamoe_micro_wgmma_chain (with the tools, when CUDA is enabled), or
 //   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -Ikernels -Iinclude bench/micro/wgmma_chain.cu -o wgmma_chain
 #include "micro_common.cuh"

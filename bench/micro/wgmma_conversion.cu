@@ -8,7 +8,7 @@
 // utilization = ideal cycles / measured cycles, ideal = MACs / 2048 per SM cycle (dense BF16).
 // SS = the wgmmas read A from shared memory and the produced registers are only kept alive.
 //
-// Build (here; run on the GPU machine):
+// Build: the CMake target megamoe_micro_wgmma_conversion (with the tools, when CUDA is enabled), or
 //   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -Ikernels -Iinclude bench/micro/wgmma_conversion.cu -o wgmma_conversion
 #include "micro_common.cuh"
