@@ -14,6 +14,7 @@
 #include "layout/sm90_weight_layout.hpp"
 #include "ptx/sm90_ptx.cuh"
 #include "ptx/sm90_wgmma_bf16_rs.cuh"
+#include "sm90/sm90_gemm_config.hpp"
 #include "sm90/sm90_gemm_mainloop.cuh"
 
 namespace micro {
@@ -48,7 +49,16 @@ __device__ inline Addrs thread_addrs(const uint32_t* words, int nwg, int wg, int
           megamoe::ptx::smem_addr(words + nwg * 1024) + static_cast<uint32_t>(t % 32) * 4};
 }
 
-// The two BF16x2 scale registers of a block, as the kernels' load_convert_block builds them.
+// One 64 x 64 weight block's 16 A registers, by the kernels' own conversion (load_convert_block
+// of the overlapped prefill tiles, kAuto's tile 38 here; the conversion is the same in every
+// overlapped config).
+__device__ __forceinline__ void convert_block(uint32_t words, uint32_t sf, uint32_t (&frags)[4][4]) {
+  megamoe::sm90::Mainloop<megamoe::sm90::PrefillAsyncK2N96E2Config>::load_convert_block(words, sf,
+                                                                                       frags);
+}
+
+// The two BF16x2 scale registers of a block, as the kernels' load_convert_block builds them
+// (for the producers that take the conversion apart).
 __device__ __forceinline__ void scales(uint32_t sfw, uint32_t (&sc)[2]) {
   sc[0] = megamoe::sm90::scale_folded_pair_bf16x2<0, 1>(sfw);
   sc[1] = megamoe::sm90::scale_folded_pair_bf16x2<2, 3>(sfw);
@@ -71,9 +81,9 @@ inline const uint32_t* device_random_words() {
 // Launches kernel(gw, cycles, sink) on one CTA per SM (twice: the first is a warm-up), then prints
 // the cycles per unit and warpgroup and the tensor pipe's use: ideal = MACs / 2048 per SM cycle
 // (dense BF16), over the median warpgroup's cycles. The kernel writes its cycles per warpgroup to
-// cycles[block * nwg + wg].
+// cycles[block * nwg + wg] after running `units` units per warpgroup.
 template <class Kernel>
-void report(Kernel kernel, int smem, int nwg, int n, const char* name) {
+void report(Kernel kernel, int smem, int nwg, int n, const char* name, int units = kUnits) {
   static const uint32_t* gw = device_random_words();
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
@@ -93,10 +103,10 @@ void report(Kernel kernel, int smem, int nwg, int n, const char* name) {
   cudaFree(cycles);
   cudaFree(sink);
   std::sort(c.begin(), c.end());
-  const double ideal = nwg * static_cast<double>(kUnits) * 64.0 * n * 64 / 2048.0;
+  const double ideal = nwg * static_cast<double>(units) * 64.0 * n * 64 / 2048.0;
   const double med = static_cast<double>(c[c.size() / 2]);
   std::printf("%-34s N=%3d WG=%d  cycles/unit/WG %7.1f  tensor util %5.1f %%  (min %5.1f max %5.1f)\n",
-              name, n, nwg, med / kUnits, 100.0 * ideal / med, 100.0 * ideal / c.back(),
+              name, n, nwg, med / units, 100.0 * ideal / med, 100.0 * ideal / c.back(),
               100.0 * ideal / c.front());
 }
 

@@ -4,8 +4,9 @@
 // in shared memory for the whole run. Prints tensor-pipe utilization = ideal cycles / cycles,
 // ideal = MACs / 2048 per SM cycle (dense BF16). Modes: 0 the prefill loop (unit u: 4 wgmmas,
 // commit, the next unit's A registers, wait 0), 1 two accumulator chains per wait, 2 wait_group 1
-// with three register sets, 3 the wgmmas alone. "convert" is sm90_layout::decode_word_bits as the
-// kernels build it (docs/perf.md, tuning log v19, has the readings of both decodes).
+// with three register sets, 3 the wgmmas alone. "convert" is the kernels' own conversion
+// (Mainloop::load_convert_block, through micro::convert_block); docs/perf.md, tuning log v19, has
+// the readings.
 //
 // Build: the CMake target megamoe_micro_wgmma_chain (with the tools, when CUDA is enabled), or
 //   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
@@ -19,6 +20,10 @@ using namespace megamoe;
 //         blocks into the other sets; wait 0 (one wait per two units)
 // MODE 2: unit u: 4 wgmmas on acc[u & 1] from set u % 3; commit; convert u + 1 into set (u + 1) % 3; wait 1
 // MODE 3: like 0 but no conversion at all (A registers constant): the wgmma chain alone
+// Units per warpgroup: mode 2 runs three per iteration.
+template <int MODE>
+constexpr int kModeUnits = MODE == 2 ? micro::kUnits / 3 * 3 : micro::kUnits;
+
 template <int N, int NWG, int MODE, bool CONVERT>
 __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long long* cycles, float* sink) {
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -36,22 +41,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
   constexpr int kSets = MODE == 2 ? 3 : MODE == 1 ? 4 : 2;
   uint32_t fr[kSets][4][4];
   auto convert = [&](int set, int blk) {
-    const uint4 wv = ptx::ld_shared_v4_at(addrs.words + blk * 2048);
-    const uint32_t sfw = ptx::ld_shared_u32_at(addrs.sf);
-    const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
     if constexpr (CONVERT) {
-      uint32_t sc[2];
-      micro::scales(sfw, sc);
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        uint32_t bits[4];
-        sm90_layout::decode_word_bits(ws[s], bits);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          fr[set][s][i] = s < 2 ? ptx::mul_bf16x2_by_half<false>(bits[i], sc[i & 1])
-                                : ptx::mul_bf16x2_by_half<true>(bits[i], sc[i & 1]);
-      }
-    } else {
+      micro::convert_block(addrs.words + blk * 2048, addrs.sf, fr[set]);
+    } else {  // the words themselves, no instructions
+      const uint4 wv = ptx::ld_shared_v4_at(addrs.words + blk * 2048);
+      const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
       for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -70,7 +64,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
   const long long t0 = clock64();
   if constexpr (MODE == 0 || MODE == 3) {
 #pragma unroll 1
-    for (int u = 0; u < micro::kUnits; u += 2) {
+    for (int u = 0; u < kModeUnits<MODE>; u += 2) {
       ptx::wgmma_fence();
       issue(0, 0);
       ptx::wgmma_commit();
@@ -83,34 +77,29 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
       ptx::wgmma_wait<0>();
     }
   } else if constexpr (MODE == 1) {
+    // Sets cur, cur + 1 hold blocks 0, 1 of this pair; the next pair goes into nxt, nxt + 1.
+    auto pair = [&](int cur, int nxt) {
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[0], fr[cur][s], desc_lo + 2 * s, 1);
+        ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[1], fr[cur + 1][s], desc_lo + 2 * s, 1);
+      }
+      ptx::wgmma_commit();
+      convert(nxt, 0);
+      convert(nxt + 1, 1);
+      ptx::wgmma_wait<0>();
+    };
     convert(2, 0);
     convert(3, 1);
 #pragma unroll 1
-    for (int u = 0; u < micro::kUnits; u += 4) {
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[0], fr[0][s], desc_lo + 2 * s, 1);
-        ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[1], fr[1][s], desc_lo + 2 * s, 1);
-      }
-      ptx::wgmma_commit();
-      convert(2, 0);
-      convert(3, 1);
-      ptx::wgmma_wait<0>();
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[0], fr[2][s], desc_lo + 2 * s, 1);
-        ptx::WgmmaBf16RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(acc[1], fr[3][s], desc_lo + 2 * s, 1);
-      }
-      ptx::wgmma_commit();
-      convert(0, 0);
-      convert(1, 1);
-      ptx::wgmma_wait<0>();
+    for (int u = 0; u < kModeUnits<MODE>; u += 4) {
+      pair(0, 2);
+      pair(2, 0);
     }
   } else {
 #pragma unroll 1
-    for (int u = 0; u < micro::kUnits; u += 3) {
+    for (int u = 0; u < kModeUnits<MODE>; u += 3) {
       ptx::wgmma_fence(); issue(0, 0); ptx::wgmma_commit(); convert(1, 1); ptx::wgmma_wait<1>();
       ptx::wgmma_fence(); issue(1, 1); ptx::wgmma_commit(); convert(2, 0); ptx::wgmma_wait<1>();
       ptx::wgmma_fence(); issue(2, 0); ptx::wgmma_commit(); convert(0, 1); ptx::wgmma_wait<1>();
@@ -127,7 +116,8 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
 
 template <int N, int NWG, int MODE, bool CONVERT>
 void run(const char* name) {
-  micro::report(kern<N, NWG, MODE, CONVERT>, micro::b_tile_bytes(N) + micro::word_bytes(NWG), NWG, N, name);
+  micro::report(kern<N, NWG, MODE, CONVERT>, micro::b_tile_bytes(N) + micro::word_bytes(NWG), NWG, N, name,
+                kModeUnits<MODE>);
 }
 
 int main() {
