@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # One device call that runs the GPU checks of the project on an H200 (a session's device time is
 # short, so everything shares one machine start). STEPS picks and orders them (default:
-# "tests serial model python gemmbench"):
+# "tests model python gemmbench"):
 #   train       trains the example model (examples/kimi_mini, TRAIN_SECONDS) ALONE: sharing the
 #               GPU slowed training and made two layer tests run out of memory
-#   tests       megamoe_gpu_tests Sm90* (incl. the opt-in GEMM tiles) and ReliabilitySanitize*
-#   serial      Sm90Layer* again with MEGAMOE_SM90_GEMM_OVERLAP=0 (the layer on the serial tiles)
+#   tests       megamoe_gpu_tests Sm90* (every shipped GEMM tile, the layer on the policy, the
+#               serial tiles and forced tiles) and ReliabilitySanitize*
 #   memcheck    compute-sanitizer memcheck on the small reliability driver
 #   model       the example model's GPU gate (ModelGpu*)
 #   python      the Python tests (the extension is built there, in the background from the
 #               start, since its Python is not this machine's), with faulthandler on, after the
 #               crash reproduction of issue 6
-#   gemmbench   the grouped-GEMM benchmark of every tile config (Sm90GemmBench.*)
+#   gemmbench   the grouped-GEMM benchmark of every shipped tile (megamoe_gemm_bench)
 #   readbench   what one launch reads at the decode GEMMs' weight sizes (Sm90ReadCeilingBench.*)
-#   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3, default and opt-in tiles
-#               (LAYERBENCH_SERIAL=1: also the serial tiles; LAYERBENCH_NOPDL=1: also plain launches)
+#   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3 with the default options
+#               (LAYERBENCH_SERIAL=1: also --tile serial; LAYERBENCH_NOPDL=1: also --no-pdl)
 #   ncu         Nsight Compute on the GEMMs of `megamoe bench` (NCU_RUNS, NCU_FULL)
 #   reliability tests/gpu/run_reliability.sh (REL_PART: all, soak or sanitizers)
 #   peers       the side-by-side comparison with the peers (bench/peers/compare.py)
@@ -24,7 +24,7 @@
 #
 # SRC_DIR: the source tree under test (the lead exports the committed revision with
 # `git archive HEAD | tar -x -C .carry/src`, so uncommitted work cannot leak into the run).
-# BIN_DIR: prebuilt `megamoe` and `megamoe_gpu_tests` (built on the development machine from the
+# BIN_DIR: prebuilt `megamoe`, `megamoe_gpu_tests` and `megamoe_gemm_bench` (built on the development machine from the
 # same SRC_DIR, whose absolute path the tests have compiled in: SRC_BUILT_AT names it). Needs
 # carry [".carry", ".whl"]. Writes $OUT/log.txt (summary of every step), $OUT/logs.tgz (full
 # logs), $OUT/km/* (a trained checkpoint), $OUT/*.jsonl (benchmarks) and $OUT/peers.*.
@@ -56,7 +56,10 @@ TESTS=$BIN/tests/megamoe_gpu_tests
 CLI=$BIN/megamoe
 export MEGAMOE_CLI="$CLI"  # the Python GPU tests cross-check against it
 
-STEPS=${STEPS:-tests serial model python gemmbench}
+GEMMBENCH=$BIN/tests/megamoe_gemm_bench
+[ -x "$GEMMBENCH" ] || GEMMBENCH=$BIN/megamoe_gemm_bench
+
+STEPS=${STEPS:-tests model python gemmbench}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 pybuild_pid=""
 if has python; then
@@ -75,11 +78,11 @@ gtest_step() {
   grep -E "$4" "$LOGS/$1" | tail -n "$5" >>"$LOG"
 }
 
-# bench_step NAME TIMEOUT FILTER GREP_PATTERN: one run of the GPU test binary's disabled
-# benchmarks matching FILTER; its full output goes to $LOGS/NAME.log, the lines matching
-# GREP_PATTERN to $OUT/NAME.txt, its last lines to the summary.
+# bench_step NAME TIMEOUT BINARY GREP_PATTERN: one run of a benchmark program; its full output
+# goes to $LOGS/NAME.log, the lines matching GREP_PATTERN to $OUT/NAME.txt, its last lines to the
+# summary.
 bench_step() {
-  timeout "$2" "$TESTS" --gtest_also_run_disabled_tests --gtest_filter="$3" >"$LOGS/$1.log" 2>&1
+  timeout "$2" "$3" >"$LOGS/$1.log" 2>&1
   echo "exit $?" >>"$LOGS/$1.log"
   grep -E "$4" "$LOGS/$1.log" >>"$OUT/$1.txt"
   tail -3 "$LOGS/$1.log" >>"$LOG"
@@ -100,10 +103,6 @@ for step in $STEPS; do
     say "gpu tests"
     gtest_step gpu_tests.log 240 "${TESTS_FILTER:-Sm90*:ReliabilitySanitize*:-*Bench*}" \
       "^\[  FAILED|^\[  PASSED|^\[  SKIPPED|tests? ran|^exit|fraction|flip|Failure" 40 ;;
-  serial)
-    say "layer tests on the serial GEMM tiles (MEGAMOE_SM90_GEMM_OVERLAP=0)"
-    MEGAMOE_SM90_GEMM_OVERLAP=0 gtest_step layer_serial.log 150 'Sm90Layer*' \
-      "^\[  FAILED|^\[  PASSED|tests? ran|^exit|Failure" 20 ;;
   memcheck)
     say "compute-sanitizer memcheck (small layer driver)"
     timeout 100 compute-sanitizer --tool memcheck --error-exitcode 99 "$TESTS" \
@@ -134,25 +133,25 @@ for step in $STEPS; do
     echo "exit $?" >>"$LOGS/python.log"
     grep -E "passed|failed|SKIPPED|Error|Fatal|^exit|\.py\", line" "$LOGS/python.log" | tail -30 >>"$LOG" ;;
   gemmbench)
-    say "grouped GEMM benchmark (every tile config)"
-    bench_step gemm_bench "${GEMMBENCH_SECONDS:-200}" 'Sm90GemmBench.*' "bench|copy|^exit|FAILED" ;;
+    say "grouped GEMM benchmark (every shipped tile)"
+    bench_step gemm_bench "${GEMMBENCH_SECONDS:-200}" "$GEMMBENCH" "bench|copy|^exit|FAILED" ;;
   readbench)
     say "read ceiling by size (Sm90ReadCeilingBench.*)"
     bench_step read_ceiling "${READBENCH_SECONDS:-150}" 'Sm90ReadCeilingBench.*' "^\[read\]|^exit|FAILED" ;;
   layerbench)
-    say "layer benchmark (default tiles, then MEGAMOE_SM90_GEMM_OVERLAP=0)"
+    say "layer benchmark (default options, then --tile serial)"
     timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 --git-rev "$(cat REVISION 2>/dev/null || echo unknown)" \
       --json "$OUT/layer_default.jsonl" >"$OUT/layer_default.txt" 2>&1
     echo "exit $?" >>"$OUT/layer_default.txt"
     if [ "${LAYERBENCH_SERIAL:-1}" = 1 ]; then
-      MEGAMOE_SM90_GEMM_OVERLAP=0 timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 \
+      timeout 150 "$CLI" bench --tile serial --shape kimi-k3,deepseek-v3 --replays 5 \
         --git-rev "$(cat REVISION 2>/dev/null || echo unknown)-serial" --json "$OUT/layer_serial.jsonl" \
         >"$OUT/layer_serial.txt" 2>&1
       echo "exit $?" >>"$OUT/layer_serial.txt"
     fi
     if [ "${LAYERBENCH_NOPDL:-0}" = 1 ]; then
       # The same with plain launches (no programmatic dependent launch): what PDL gains.
-      MEGAMOE_PDL=0 timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 \
+      timeout 150 "$CLI" bench --no-pdl --shape kimi-k3,deepseek-v3 --replays 5 \
         --git-rev "$(cat REVISION 2>/dev/null || echo unknown)-nopdl" --json "$OUT/layer_nopdl.jsonl" \
         >"$OUT/layer_nopdl.txt" 2>&1
       echo "exit $?" >>"$OUT/layer_nopdl.txt"
@@ -161,7 +160,7 @@ for step in $STEPS; do
   ncu)
     # Where the GEMMs' time goes: the first NCU_COUNT (default 2: L1 and L2) grouped-GEMM launches
     # of `megamoe bench --shape S --tokens T` for each S:T[:TILE] in NCU_RUNS (default
-    # kimi-k3:64; TILE: a GemmTile number forced with MEGAMOE_SM90_GEMM_TILE).
+    # kimi-k3:64; TILE: a tile name forced with --tile).
     # NCU_FULL=1: the full section set plus per-instruction (SASS) samples; the details in $OUT,
     # the source page summarized by bench/ncu_sass_summary.py and kept gzipped.
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
@@ -170,9 +169,9 @@ for step in $STEPS; do
       tag="${shape}_t${nt}${ftile:+_tile$ftile}"
       say "nsight compute on the GEMMs ($tag)"
       if [ "${NCU_FULL:-0}" = 1 ]; then
-        MEGAMOE_SM90_GEMM_TILE=${ftile:-0} timeout 200 "$NCU" -k regex:grouped_gemm \
+        timeout 200 "$NCU" -k regex:grouped_gemm \
           --launch-count "${NCU_COUNT:-2}" --set full --import-source no -f -o "/tmp/ncu_$tag" \
-          "$CLI" bench --shape "$shape" --tokens "$nt" --replays 1 >"$LOGS/ncu_$tag.log" 2>&1
+          "$CLI" bench --tile "${ftile:-auto}" --shape "$shape" --tokens "$nt" --replays 1 >"$LOGS/ncu_$tag.log" 2>&1
         echo "exit $?" >>"$LOGS/ncu_$tag.log"
         "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --print-details all >"$OUT/ncu_$tag.txt" 2>&1
         "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --page source --print-source sass --csv \
@@ -180,10 +179,10 @@ for step in $STEPS; do
         python3 bench/ncu_sass_summary.py "/tmp/ncu_${tag}_sass.csv" 80 >"$OUT/ncu_${tag}_sass_summary.txt" 2>&1
         gzip -c "/tmp/ncu_${tag}_sass.csv" >"$OUT/ncu_${tag}_sass.csv.gz"
       else
-        MEGAMOE_SM90_GEMM_TILE=${ftile:-0} timeout 150 "$NCU" -k regex:grouped_gemm \
+        timeout 150 "$NCU" -k regex:grouped_gemm \
           --launch-count "${NCU_COUNT:-2}" --section SpeedOfLight \
           --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-          --section Occupancy --section LaunchStats "$CLI" bench --shape "$shape" \
+          --section Occupancy --section LaunchStats "$CLI" bench --tile "${ftile:-auto}" --shape "$shape" \
           --tokens "$nt" --replays 1 >"$OUT/ncu_$tag.txt" 2>&1
         echo "exit $?" >>"$OUT/ncu_$tag.txt"
       fi

@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "megamoe/config.hpp"
+
 namespace megamoe::cli {
 
 // Runs a parsed command; returns the process exit code.
@@ -45,6 +47,30 @@ class Command {
 
 // All registered commands, sorted by name.
 std::vector<CommandInfo> registered_commands();
+
+// The Hopper backend's options as flags (`run`, `bench`): --tile, --no-pdl, --rows-hint, mapped
+// onto LayerConfig::sm90 (validated with the config).
+struct Sm90Flags {
+  std::string tile = "auto";
+  bool no_pdl = false;
+  std::string rows_hint = "gated";
+
+  void add_to(CLI::App& app) {
+    app.add_option("--tile", tile,
+                   "GEMM tile: auto (the policy), serial (the policy over the serial-mainloop "
+                   "tiles) or a tile name (megamoe bench --list-tiles)")
+        ->capture_default_str();
+    app.add_flag("--no-pdl", no_pdl, "plain launches instead of programmatic dependent launch");
+    app.add_option("--rows-hint", rows_hint,
+                   "how the tile policy estimates a launch's rows: gated | bound | expected")
+        ->capture_default_str();
+  }
+  void apply(LayerConfig& config) const {
+    config.sm90.gemm_tile = tile;
+    config.sm90.programmatic_launch = !no_pdl;
+    config.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
+  }
+};
 
 // Exit codes shared by the commands.
 constexpr int kExitOk = 0;

@@ -40,6 +40,7 @@
 #include "megamoe/parallel.hpp"
 #include "megamoe/routing.hpp"
 #include "megamoe/weights.hpp"
+#include "moe/sm90_tile_policy.hpp"
 #include "runtime/cuda_device.hpp"
 #include "tools/cli.hpp"
 
@@ -80,7 +81,19 @@ struct BenchOptions {
   std::string json_path;
   std::string git_rev;
   uint64_t seed = 1;
+  Sm90Flags sm90;
+  bool list_tiles = false;
 };
+
+// The shipped GEMM tiles, one per line (what --tile accepts besides auto and serial).
+int list_tiles() {
+  for (const sm90::TileConfig& t : sm90::kTileTable) {
+    std::ostringstream line;
+    line << t;
+    std::printf("%s\n", line.str().c_str());
+  }
+  return kExitOk;
+}
 
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> out;
@@ -331,6 +344,7 @@ int run_bench(const BenchOptions& o) {
     config.activation = o.activation.empty() ? activation_preset(shape_name)
                                              : Activation::parse(o.activation);
     config.fast_math = !o.exact;
+    o.sm90.apply(config);
     config.validate();
     const LayerShape& s = config.shape;
     const int64_t el = config.num_local_experts();
@@ -457,6 +471,9 @@ int run_bench(const BenchOptions& o) {
         j["routing"] = routing_kind_name(routing);
         j["activation"] = config.activation.to_string();
         j["fast_math"] = config.fast_math;
+        j["gemm_tile"] = config.sm90.gemm_tile;
+        j["programmatic_launch"] = config.sm90.programmatic_launch;
+        j["rows_hint"] = to_string(config.sm90.rows_hint);
         j["median_us"] = med;
         j["min_us"] = mn;
         j["tflops"] = tflops;
@@ -505,7 +522,10 @@ const Command kBench{
       app.add_option("--json", o->json_path, "append JSON lines to this file");
       app.add_option("--git-rev", o->git_rev, "revision recorded in the JSON (default: git rev-parse)");
       app.add_option("--seed", o->seed, "seed of weights, inputs and routing")->capture_default_str();
+      o->sm90.add_to(app);
+      app.add_flag("--list-tiles", o->list_tiles, "print the GEMM tile table and exit");
       return [o]() -> int {
+        if (o->list_tiles) return list_tiles();
 #if defined(MEGAMOE_WITH_CUDA)
         return run_bench(*o);
 #else

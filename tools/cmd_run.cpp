@@ -47,6 +47,7 @@ struct RunOptions {
   bool no_check = false;
   double max_diff = kDefaultMaxDiff;
   bool json = false;
+  Sm90Flags sm90;
 };
 
 // NOTES: T x H BF16 inputs plus the FP64 reference output are allocated on the host; 2^24 tokens
@@ -112,6 +113,7 @@ int run(const RunOptions& o) {
   MEGAMOE_CHECK_ARG(o.threads >= 0 && o.threads <= kMaxCount, "--threads must be in [0, ", kMaxCount,
                     "] (0 = all cores), got ", o.threads);
   cfg.max_tokens_per_rank = o.capacity > 0 ? o.capacity : std::max<int64_t>(o.tokens, 1);
+  o.sm90.apply(cfg);
   cfg.validate();
   MEGAMOE_CHECK_ARG(o.bias == "auto" || o.bias == "on" || o.bias == "off",
                     "--bias: expected auto, on or off, got '", o.bias, "'");
@@ -211,6 +213,7 @@ int run(const RunOptions& o) {
     j["seed"] = o.seed;
     j["backend"] = layer.backend();
     j["fast_math"] = cfg.fast_math;
+    j["gemm_tile"] = cfg.sm90.gemm_tile;
     j["ep"] = {{"size", cfg.ep_size}, {"rank", cfg.ep_rank},
                {"first_local_expert", cfg.first_local_expert()},
                {"local_experts", cfg.num_local_experts()}, {"local_slots", local_slots}};
@@ -322,6 +325,7 @@ const Command kRun{
           ->check(kFiniteNonNegative)
           ->capture_default_str();
       app.add_flag("--json", o->json, "Print one JSON object instead of text");
+      o->sm90.add_to(app);
       // NOTES: `megamoe run` with no option at all is the README's main job: the example model
       // (examples/kimi_mini) answering problems. Any option selects the synthetic layer.
       return [o, &app] {

@@ -50,11 +50,11 @@ __device__ inline Addrs thread_addrs(const uint32_t* words, int nwg, int wg, int
 }
 
 // One 64 x 64 weight block's 16 A registers, by the kernels' own conversion (load_convert_block
-// of the overlapped prefill tiles, kAuto's tile 38 here; the conversion is the same in every
-// overlapped config).
+// of the overlapped tiles, prefill_256x96_k2_async2's here; the conversion is the same in every
+// overlapped tile).
 __device__ __forceinline__ void convert_block(uint32_t words, uint32_t sf, uint32_t (&frags)[4][4]) {
-  megamoe::sm90::Mainloop<megamoe::sm90::PrefillAsyncK2N96E2Config>::load_convert_block(words, sf,
-                                                                                       frags);
+  using Cfg = megamoe::sm90::GemmConfig<megamoe::sm90::TileId::kPrefill256x96K2Async2>;
+  megamoe::sm90::Mainloop<Cfg>::load_convert_block(words, sf, frags);
 }
 
 // The two BF16x2 scale registers of a block, as the kernels' load_convert_block builds them

@@ -27,6 +27,28 @@ LayerShape shape_preset(std::string_view name);
 Activation activation_preset(std::string_view shape_name);
 std::vector<std::string> shape_preset_names();
 
+// How the Hopper GEMM tile policy estimates the routed rows of a launch (docs/design.md).
+enum class RowsHintMode : uint8_t {
+  kGated,     // the rank's expected share of T*K slots, plus gated launches for up to T rows per
+              // expert (skewed routing): the default
+  kBound,     // T*K slots, no gated launches
+  kExpected,  // the expected share, no gated launches
+};
+// "gated" | "bound" | "expected"; throws kInvalidArgument naming the valid values.
+RowsHintMode parse_rows_hint_mode(std::string_view name);
+const char* to_string(RowsHintMode mode);
+
+// Options of the Hopper (sm90) backend, explicit per layer (the CPU backend ignores them; the
+// CLI maps flags onto them). Every value computes the same function: the tile changes only the
+// order of the FP32 sums, the launch mode nothing.
+struct Sm90Options {
+  // GEMM tile: "auto" (the policy), "serial" (the policy over the serial-mainloop tiles, exact for
+  // any scale byte) or one tile of the shipped table for both GEMMs (`megamoe bench --list-tiles`).
+  std::string gemm_tile = "auto";
+  bool programmatic_launch = true;  // programmatic dependent launch between the six kernels
+  RowsHintMode rows_hint = RowsHintMode::kGated;
+};
+
 struct LayerConfig {
   LayerShape shape;
   int ep_size = 1;                       // R
@@ -34,6 +56,7 @@ struct LayerConfig {
   int64_t max_tokens_per_rank = 8192;    // capacity: T above it is an error, never a drop
   Activation activation = Activation::swiglu();
   bool fast_math = true;                 // numerics.md section 4
+  Sm90Options sm90;                      // Hopper backend options
 
   int64_t num_local_experts() const { return shape.num_experts / ep_size; }
   int64_t first_local_expert() const { return num_local_experts() * ep_rank; }

@@ -46,7 +46,8 @@ std::string config_repr(const LayerConfig& c) {
   return detail::concat("LayerConfig(shape=", c.shape.to_string(), ", activation='",
                         c.activation.to_string(), "', ep_size=", c.ep_size, ", ep_rank=", c.ep_rank,
                         ", max_tokens_per_rank=", c.max_tokens_per_rank,
-                        ", fast_math=", c.fast_math ? "True" : "False", ")");
+                        ", fast_math=", c.fast_math ? "True" : "False", ", gemm_tile='",
+                        c.sm90.gemm_tile, "')");
 }
 
 }  // namespace
@@ -127,7 +128,8 @@ void register_config(nb::module_& m) {
       .def(
           "__init__",
           [](LayerConfig* self, const ShapeArg& shape, std::optional<ActivationArg> activation,
-             int ep_size, int ep_rank, int64_t max_tokens_per_rank, bool fast_math) {
+             int ep_size, int ep_rank, int64_t max_tokens_per_rank, bool fast_math,
+             const std::string& gemm_tile, bool programmatic_launch, const std::string& rows_hint) {
             LayerConfig c;
             c.shape = to_shape(shape);
             if (activation) {
@@ -139,21 +141,37 @@ void register_config(nb::module_& m) {
             c.ep_rank = ep_rank;
             c.max_tokens_per_rank = max_tokens_per_rank;
             c.fast_math = fast_math;
+            c.sm90.gemm_tile = gemm_tile;
+            c.sm90.programmatic_launch = programmatic_launch;
+            c.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
             c.validate();
             new (self) LayerConfig(c);
           },
           nb::arg("shape"), nb::arg("activation") = nb::none(), nb::arg("ep_size") = 1,
           nb::arg("ep_rank") = 0, nb::arg("max_tokens_per_rank") = 8192,
-          nb::arg("fast_math") = true,
+          nb::arg("fast_math") = true, nb::arg("gemm_tile") = "auto",
+          nb::arg("programmatic_launch") = true, nb::arg("rows_hint") = "gated",
           "shape: a LayerShape or a preset name ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b', "
           "'small'). activation: an Activation or a spec string; None takes the preset's "
-          "activation when shape is a name, else 'swiglu'. Validated on construction.")
+          "activation when shape is a name, else 'swiglu'. gemm_tile, programmatic_launch, "
+          "rows_hint: the Hopper backend's options ('auto', 'serial' or a tile name of "
+          "`megamoe bench --list-tiles`; programmatic dependent launch; 'gated', 'bound' or "
+          "'expected'). Validated on construction.")
       .def_rw("shape", &LayerConfig::shape)
       .def_rw("activation", &LayerConfig::activation)
       .def_rw("ep_size", &LayerConfig::ep_size)
       .def_rw("ep_rank", &LayerConfig::ep_rank)
       .def_rw("max_tokens_per_rank", &LayerConfig::max_tokens_per_rank)
       .def_rw("fast_math", &LayerConfig::fast_math)
+      .def_prop_rw(
+          "gemm_tile", [](const LayerConfig& c) { return c.sm90.gemm_tile; },
+          [](LayerConfig& c, const std::string& v) { c.sm90.gemm_tile = v; })
+      .def_prop_rw(
+          "programmatic_launch", [](const LayerConfig& c) { return c.sm90.programmatic_launch; },
+          [](LayerConfig& c, bool v) { c.sm90.programmatic_launch = v; })
+      .def_prop_rw(
+          "rows_hint", [](const LayerConfig& c) { return std::string(to_string(c.sm90.rows_hint)); },
+          [](LayerConfig& c, const std::string& v) { c.sm90.rows_hint = parse_rows_hint_mode(v); })
       .def_prop_ro("num_local_experts", &LayerConfig::num_local_experts)
       .def_prop_ro("first_local_expert", &LayerConfig::first_local_expert)
       .def("validate", &LayerConfig::validate)

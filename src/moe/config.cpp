@@ -6,6 +6,7 @@
 
 #include "megamoe/error.hpp"
 #include "megamoe/formats.hpp"
+#include "moe/sm90_tile_policy.hpp"
 
 namespace megamoe {
 
@@ -69,8 +70,29 @@ std::vector<std::string> shape_preset_names() {
   return names;
 }
 
+RowsHintMode parse_rows_hint_mode(std::string_view name) {
+  if (name == "gated") return RowsHintMode::kGated;
+  if (name == "bound") return RowsHintMode::kBound;
+  if (name == "expected") return RowsHintMode::kExpected;
+  fail(ErrorCode::kInvalidArgument, "rows_hint: expected gated, bound or expected, got '", name,
+       "'");
+}
+
+const char* to_string(RowsHintMode mode) {
+  switch (mode) {
+    case RowsHintMode::kGated: return "gated";
+    case RowsHintMode::kBound: return "bound";
+    case RowsHintMode::kExpected: return "expected";
+  }
+  return "?";
+}
+
 void LayerConfig::validate() const {
   shape.validate();
+  (void)sm90::parse_tile_request(sm90.gemm_tile);  // throws naming the valid tiles
+  MEGAMOE_CHECK_ARG(static_cast<int>(sm90.rows_hint) >= 0 && static_cast<int>(sm90.rows_hint) <= 2,
+                    "config: sm90.rows_hint: expected gated, bound or expected, got value ",
+                    static_cast<int>(sm90.rows_hint));
   MEGAMOE_CHECK_ARG(ep_size >= 1, "config: ep_size must be >= 1, got ", ep_size);
   MEGAMOE_CHECK_ARG(shape.num_experts % ep_size == 0, "config: ep_size ", ep_size,
                     " must divide num_experts ", shape.num_experts);

@@ -3,8 +3,6 @@
 #include "moe/sm90_layer.hpp"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "megamoe/error.hpp"
 #include "moe/sm90_gemm.hpp"
@@ -72,30 +70,22 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   return v;
 }
 
-// kAuto's estimates of the rows routed to this rank (L1Args::rows_hint, rows_per_expert_max):
-// T*K slots on one GPU; under expert parallelism the rank's expected share T*K*E_l/E (balanced
-// routing, rounded up). Any expert can get up to T rows (one slot per token): where that calls
-// for another tile than the estimate, the GEMMs launch one per tile, each gated on the actual
-// rows (only one runs).
-// NOTES: T*K under expert parallelism made kAuto take prefill tiles for decode-sized work
-// (Kimi-K3 EP8, T = 128: 883 us against 628), and the share without the gate made adversarial
-// routing up to 3x slower (docs/perf.md tuning log v11). MEGAMOE_SM90_ROWS_HINT (read once per
-// process) = bound: T*K without the gate (the former choice); = expected: the share without the
-// gate; for measuring them.
+// The tile policy's estimates of the rows routed to this rank (L1Args::rows_hint,
+// rows_per_expert_max), by config.sm90.rows_hint: T*K slots on one GPU; under expert parallelism
+// the rank's expected share T*K*E_l/E (balanced routing, rounded up). Any expert can get up to T
+// rows (one slot per token): where that calls for another tile than the estimate, the GEMMs
+// launch one per tile, each gated on the actual rows (only one runs).
+// NOTES: T*K under expert parallelism made the policy take prefill tiles for decode-sized work,
+// and the share without the gate made adversarial routing up to 3x slower (docs/tuning-log.md);
+// `bound` and `expected` keep those two for measuring them.
 struct RowsHint {
   int64_t hint, per_expert_max;
 };
 RowsHint rows_hint(const LayerConfig& c, int64_t num_tokens, int64_t slots) {
-  static const int mode = [] {  // 0 gated, 1 bound, 2 expected
-    const char* v = std::getenv("MEGAMOE_SM90_ROWS_HINT");
-    if (v != nullptr && std::strcmp(v, "bound") == 0) return 1;
-    if (v != nullptr && std::strcmp(v, "expected") == 0) return 2;
-    return 0;
-  }();
-  if (mode == 1) return {slots, 0};
+  if (c.sm90.rows_hint == RowsHintMode::kBound) return {slots, 0};
   const int64_t e = c.shape.num_experts, e_l = c.num_local_experts();
   const int64_t share = c.ep_size <= 1 ? slots : std::max<int64_t>(1, (slots * e_l + e - 1) / e);
-  return {share, mode == 2 ? 0 : num_tokens};
+  return {share, c.sm90.rows_hint == RowsHintMode::kExpected ? 0 : num_tokens};
 }
 
 }  // namespace
@@ -166,6 +156,8 @@ Sm90Layer::Sm90Layer(const LayerConfig& config, const MoeWeights* prepared) : co
 
 void Sm90Layer::init_workspace() {
   config_.validate();
+  tile_ = parse_tile_request(config_.sm90.gemm_tile);
+  programmatic_ = config_.sm90.programmatic_launch;
   device_ = cuda::current_device();
   weights_->check_matches(config_);
   MEGAMOE_CHECK_ARG(weights_->device() == Device::cuda(device_),
@@ -201,16 +193,6 @@ void Sm90Layer::init_workspace() {
 
 Sm90Layer::~Sm90Layer() = default;
 
-// MEGAMOE_PDL=0 (read once per process) makes plain launches the default: for measuring what
-// programmatic dependent launch gains, and as a switch should a driver mishandle it.
-bool Sm90Layer::programmatic_launch_default() {
-  static const bool on = [] {
-    const char* v = std::getenv("MEGAMOE_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
-
 void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                         int64_t num_tokens, uint16_t* y, cudaStream_t stream, Stage last) {
   MEGAMOE_CHECK(num_tokens >= 0 && num_tokens <= config_.max_tokens_per_rank,
@@ -222,9 +204,9 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   const int64_t slots = num_tokens * s.top_k;
   auto done = [&](Stage stage) { return static_cast<int>(stage) >= static_cast<int>(last); };
 
-  // The six launches form a programmatic-dependent-launch chain (set_programmatic_launch): each
-  // kernel waits for its predecessor on the device before touching its data; every kernel but
-  // the prefill GEMM configs lets its successor start early (after its own wait), and the decode
+  // The six launches form a programmatic-dependent-launch chain (config.sm90.programmatic_launch):
+  // each kernel waits for its predecessor on the device before touching its data; every kernel
+  // but the prefill GEMM tiles lets its successor start early (after its own wait), and the decode
   // GEMMs build their schedules and start streaming weights before their wait and take their
   // work units at run time (L1Args::programmatic, SplitKWorkspace::unit_counter;
   // docs/design.md).
@@ -272,6 +254,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l1.h_sf = view_.h_sf;
   l1.h_act = view_.h_act;
   l1.split_k = view_.split_k;
+  l1.tile = tile_;
   l1.programmatic = pdl;
   launch_l1(l1, stream);
   if (done(Stage::kL1)) return;
@@ -292,6 +275,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   l2.w2_bias = weights_->has_bias() ? weights_->w2_bias.as<uint16_t>() : nullptr;
   l2.out = view_.out;
   l2.split_k = view_.split_k;
+  l2.tile = tile_;
   l2.programmatic = pdl;
   launch_l2(l2, stream);
   if (done(Stage::kL2)) return;

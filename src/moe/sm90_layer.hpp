@@ -88,11 +88,11 @@ class Sm90Layer {
 
   // Programmatic dependent launch of the six kernels (runtime/cuda_launch.hpp; docs/design.md):
   // each waits for its predecessor on the device, some start before it ends; results are the
-  // same bit for bit.
-  // On by default; MEGAMOE_PDL=0 in the environment makes the default off.
+  // same bit for bit. Starts as config.sm90.programmatic_launch.
   void set_programmatic_launch(bool on) { programmatic_ = on; }
   bool programmatic_launch() const { return programmatic_; }
-  static bool programmatic_launch_default();
+  // The GEMM tile request of config.sm90.gemm_tile.
+  const TileRequest& tile_request() const { return tile_; }
 
   const LayerConfig& config() const { return config_; }
   const MoeWeights& weights() const { return *weights_; }
@@ -117,7 +117,8 @@ class Sm90Layer {
   WorkspaceView view_;
   bool w13_small_scales_ = false;
   bool w2_small_scales_ = false;
-  bool programmatic_ = programmatic_launch_default();
+  bool programmatic_ = true;
+  TileRequest tile_;
 };
 
 }  // namespace megamoe::sm90

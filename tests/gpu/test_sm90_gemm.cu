@@ -1,6 +1,5 @@
 // GPU tests of the Hopper grouped GEMMs (src/moe/sm90_gemm.hpp) against a CPU reference fed the
-// same inputs, plus the GEMM-only micro-benchmark (DISABLED_ by default; run with
-// --gtest_also_run_disabled_tests --gtest_filter='Sm90GemmBench.*').
+// same inputs. (The GEMM-only benchmark is bench/gemm_bench.cu.)
 //
 // Checks (numerics.md section 8):
 //  - L2 (FP32 accumulators exposed through a single BF16 rounding): for every output,
@@ -33,10 +32,8 @@
 #include "runtime/cuda_check.hpp"
 #include "runtime/cuda_device.hpp"
 #include "sm90/sm90_gemm_config.hpp"
+#include "sm90_gemm_test_util.hpp"
 #include "sm90_test_util.hpp"
-#if MEGAMOE_DIAG_TIMELINE
-#include "sm90/sm90_diag_timeline.cuh"
-#endif
 
 namespace megamoe {
 namespace {
@@ -107,36 +104,6 @@ Problem make_problem(int64_t H, int64_t I, std::vector<int> counts, bool bias, u
   return p;
 }
 
-template <class T>
-Buffer to_device(const std::vector<T>& v) {
-  Buffer b(static_cast<int64_t>(std::max<size_t>(v.size(), 1) * sizeof(T)), Device::cuda());
-  if (!v.empty()) copy_bytes(b.data(), Device::cuda(), v.data(), Device::cpu(), v.size() * sizeof(T));
-  return b;
-}
-template <class T>
-std::vector<T> to_host(const Buffer& b, size_t n) {
-  std::vector<T> v(n);
-  if (n) copy_bytes(v.data(), Device::cpu(), b.data(), Device::cuda(), n * sizeof(T));
-  return v;
-}
-
-// A split-K workspace with its buffers (counters zeroed, as the layer does), and the unit
-// counter (2 int32 after the split counters).
-struct SplitWorkspace {
-  Buffer partials, counters;
-  sm90::SplitKWorkspace ws;
-  SplitWorkspace(int counters_capacity, int64_t partial_floats)
-      : partials(partial_floats * 4, Device::cuda()),
-        counters((int64_t(counters_capacity) + 2) * 4, Device::cuda()) {
-    MEGAMOE_CUDA_CHECK(cudaMemset(counters.data(), 0, counters.size()));
-    ws.partials = partials.as<float>();
-    ws.partial_floats = partial_floats;
-    ws.counters = counters.as<int32_t>();
-    ws.counters_capacity = counters_capacity;
-    ws.unit_counter = counters.as<int32_t>() + counters_capacity;
-  }
-};
-
 // Sets a test-wide setting for a scope and restores it after.
 template <class T>
 struct ScopedSetting {
@@ -150,7 +117,7 @@ struct ScopedSetting {
 // layer's does); Sm90Gemm.EveryTileConfigStaticUnits runs them without it (the static split).
 bool g_static_units = false;
 
-// The most rows one expert can get, handed to kAuto (L1Args / L2Args::rows_per_expert_max: gated
+// The most rows one expert can get, handed to the policy (L1Args / L2Args::rows_per_expert_max: gated
 // launches when it calls for another tile than rows_hint); 0 (the default) for one launch.
 int64_t g_rows_per_expert_max = 0;
 
@@ -238,9 +205,9 @@ double bf16_ulp(double v) {
 
 // (out_copy: if given, receives the launch's output rows, for bitwise comparisons.)
 void run_l2_case(const Problem& p, int64_t rows_hint, bool with_bias,
-                 sm90::GemmTile tile = sm90::GemmTile::kAuto, int k_splits = 0,
+                 sm90::TileRequest tile = {}, int k_splits = 0,
                  std::vector<uint16_t>* out_copy = nullptr) {
-  SCOPED_TRACE(describe(p, "L2") + " tile=" + std::to_string(int(tile)) +
+  SCOPED_TRACE(describe(p, "L2") + " tile=" + sm90::to_string(tile) +
                " k_splits=" + std::to_string(k_splits));
   std::vector<uint8_t> pw2, psf2;
   prepare_all(Sm90Matrix::kW2, p, p.w2, p.w2_sf, pw2, psf2);
@@ -298,8 +265,8 @@ void run_l2_case(const Problem& p, int64_t rows_hint, bool with_bias,
   for (int64_t row = p.rows; row < max_rows; ++row)
     for (int64_t n = 0; n < p.H; ++n)
       ASSERT_EQ(out[row * p.H + n], uint16_t(kPoisonByte * 0x101)) << "row past the routed rows written";
-  printf("[sm90 L2] %s rows_hint=%lld tile=%d k_splits=%d bias=%d: max |gpu-ref| / bound = %.3f\n",
-         describe(p, "").c_str(), (long long)rows_hint, int(tile), k_splits, int(with_bias), worst);
+  printf("[sm90 L2] %s rows_hint=%lld tile=%s k_splits=%d bias=%d: max |gpu-ref| / bound = %.3f\n",
+         describe(p, "").c_str(), (long long)rows_hint, sm90::to_string(tile).c_str(), k_splits, int(with_bias), worst);
   EXPECT_EQ(bad, 0);
 }
 
@@ -313,9 +280,9 @@ bool neighbour_codes(uint8_t a, uint8_t b) {
 
 // (hact_copy: if given, receives h_act, for bitwise comparisons.)
 void run_l1_case(const Problem& p, int64_t rows_hint, const Activation& act, bool fast_math,
-                 bool with_bias, sm90::GemmTile tile = sm90::GemmTile::kAuto, int k_splits = 0,
+                 bool with_bias, sm90::TileRequest tile = {}, int k_splits = 0,
                  std::vector<uint16_t>* hact_copy = nullptr) {
-  SCOPED_TRACE(describe(p, "L1") + " tile=" + std::to_string(int(tile)) + " act=" + std::to_string(int(act.kind)) +
+  SCOPED_TRACE(describe(p, "L1") + " tile=" + sm90::to_string(tile) + " act=" + std::to_string(int(act.kind)) +
                " fast_math=" + std::to_string(fast_math) + " k_splits=" + std::to_string(k_splits));
   std::vector<uint8_t> pw, psf;
   prepare_all(Sm90Matrix::kW13, p, p.w13, p.w13_sf, pw, psf);
@@ -440,7 +407,7 @@ TEST(Sm90Gemm, L1PartialTiles) {
   run_l1_case(p, 1, Activation::swiglu(), true, false);
 }
 
-// Gated launches (rows_per_expert_max above rows_hint's class): kAuto launches one tile per class
+// Gated launches (rows_per_expert_max above rows_hint's class): the policy launches one tile per class
 // of rows per expert between the two (128 x 8 decode, 128 x 16 decode, prefill) and only the one
 // matching the actual rows per hit expert runs. An estimate of ~1 row per expert against rows that
 // are few, medium and many per expert: each must come out as the reference says (a launch that
@@ -461,51 +428,6 @@ TEST(Sm90Gemm, GatedLaunchesRunTheTileOfTheActualRows) {
   }
 }
 
-// The plan of gated launches (host only, runs without a GPU): the launches' intervals of rows per
-// hit expert cover every average exactly once (else a routing would run no launch, or two), the
-// plan is ungated where no prefill tile is possible, and the first launch keeps the estimate.
-TEST(Sm90GemmPlan, GatedIntervalsCoverEveryAverageOnce) {
-  struct Case { int64_t hint, per_expert_max; int experts; int64_t max_rows; };
-  const Case cases[] = {
-      {128, 8, 896, 131072},       // Kimi-K3 T = 8: no prefill tile possible, ungated
-      {128, 64, 112, 131072},      // EP8 rank, T = 64: 128 x 8 .. prefill
-      {1024, 64, 112, 131072},     // the former bound: 128 x 16 .. prefill
-      {8192, 512, 112, 131072},    // prefill estimate: ungated
-      {2, 1, 112, 131072},         // T = 1
-      {16, 300, 8, 463},           // the GPU test above
-      {0, 64, 112, 131072},        // no estimate: ungated
-      {128, 0, 112, 131072}};      // no bound: ungated
-  for (const Case& c : cases) {
-    SCOPED_TRACE("hint " + std::to_string(c.hint) + " max " + std::to_string(c.per_expert_max) +
-                 " E " + std::to_string(c.experts));
-    const sm90::LaunchPlan plan = sm90::plan_launches(c.hint, c.per_expert_max, c.experts, c.max_rows);
-    ASSERT_GE(plan.count, 1);
-    ASSERT_LE(plan.count, 3);
-    EXPECT_EQ(plan.launch[0].rows, plan.count == 1 ? c.hint : std::min(c.hint, c.max_rows));
-    if (plan.count == 1) {
-      EXPECT_EQ(plan.launch[0].gate_min_avg, 0);
-      EXPECT_EQ(plan.launch[0].gate_max_avg, 0);
-      EXPECT_TRUE(c.hint == 0 || c.per_expert_max <= 12 || c.hint / std::min<int64_t>(c.hint, c.experts) > 12);
-      continue;
-    }
-    EXPECT_GT(c.per_expert_max, 12);  // gated only where a prefill tile is possible
-    for (int64_t rows = 0; rows <= 400; ++rows) {
-      for (int64_t hits : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{112}}) {
-        if (rows == 0 && hits != 1) continue;
-        const int64_t h = rows == 0 ? 0 : hits;
-        int running = 0;
-        for (int i = 0; i < plan.count; ++i) {
-          sm90::GemmParams gate;
-          gate.gate_min_avg = plan.launch[i].gate_min_avg;
-          gate.gate_max_avg = plan.launch[i].gate_max_avg;
-          running += sm90::gate_admits(gate, rows, static_cast<int>(h));
-        }
-        ASSERT_EQ(running, 1) << "rows " << rows << " over " << h << " hit experts";
-      }
-    }
-  }
-}
-
 TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(3584, 3072, {1, 0, 2, 0, 129}, false, 6);
@@ -515,56 +437,47 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
   run_l2_case(p, p.rows, false);
 }
 
-// The tile configurations kAuto picks among (the overlapped ones), those of kAutoSerial (the
-// serial mainloop, MEGAMOE_SM90_GEMM_OVERLAP=0), and candidates not chosen by any policy yet
-// (timed by Sm90GemmBench). The candidates are tested in their own suite, Sm90GemmOptIn, so a
-// failure there is attributed to them and leaves the default suite's verdict alone.
-constexpr sm90::GemmTile kDefaultTiles[] = {
-    sm90::GemmTile::kDecode8X4KWarp,  // (K % 256 != 0: rejected; kAuto takes kDecode8X2K2Warp)
-    sm90::GemmTile::kDecode8X2K2Warp, sm90::GemmTile::kDecode16X2K2Warp,
-    sm90::GemmTile::kDecode16X2K2SplitWarp,  // unsplit here (k_splits 0 on a forced tile)
-    sm90::GemmTile::kDecode16Overlap, sm90::GemmTile::kDecode16X2K2,
-    sm90::GemmTile::kDecode16X2K2x3,
-    sm90::GemmTile::kDecode8X2K2,         // (its twin when K % 128 != 0: the 8-stage 128 x 8 tile)
-    sm90::GemmTile::kDecode16X2K2Split,   // unsplit here (k_splits 0 on a forced tile)
-    sm90::GemmTile::kDecode16X2Overlap,   // kDecode16X2K2's twin when K % 128 != 0
-    sm90::GemmTile::kDecode16X2Overlap3,  // kDecode16X2K2x3's twin
-    sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillWideAsync,
-    sm90::GemmTile::kPrefillAsyncK2N96E2,  // (K % 128 != 0: rejected; kAuto takes kPrefillK2 there)
-    sm90::GemmTile::kPrefillAsyncK2N64,    // (the same)
-    sm90::GemmTile::kPrefillStaged,  // kPrefillK2's twin when K % 128 != 0
-    sm90::GemmTile::kPrefillWideStaged,
-    sm90::GemmTile::kPrefillOverlap, sm90::GemmTile::kPrefillWideOverlap,  // kAuto's before v6
-    sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16, sm90::GemmTile::kPrefill};
-constexpr sm90::GemmTile kOptInTiles[] = {sm90::GemmTile::kDecode16X2, sm90::GemmTile::kDecode8X2,
-                                          sm90::GemmTile::kDecode16X4Overlap,
-                                          sm90::GemmTile::kDecode16X4K2,
-                                          sm90::GemmTile::kPrefillAsyncK2,
-                                          sm90::GemmTile::kPrefillAsyncK2N96};
+using sm90::TileId;
+using sm90::TileRequest;
 
-// Every tile configuration forced on the same problems (kAuto picks only some of them here):
+std::vector<TileId> every_tile() {
+  std::vector<TileId> tiles;
+  for (int i = 0; i < sm90::kNumTiles; ++i) tiles.push_back(static_cast<TileId>(i));
+  return tiles;
+}
+TileRequest forced(TileId id) { return TileRequest::forced(id); }
+
+// Every shipped tile forced on the same problems (the policy picks only some of them here):
 // empty experts, partial n- and m-tiles, experts above 128 and 256 rows, odd k-block counts
-// (H = 320: 5, I = 192: 3), bias, all compared to the same reference.
-void every_tile_case(sm90::GemmTile tile) {
+// (H = 320: 5, I = 192: 3, which the tiles of several k-blocks per stage refuse, naming K), bias,
+// all compared to the same reference.
+void every_tile_case(TileId tile) {
   const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 513, 3, 130, 250}, true, 8);
   const Problem q = make_problem(320, 192, {5, 0, 200, 17, 300}, true, 9);
-  run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile);
-  run_l2_case(p, p.rows, true, tile);
-  if (sm90::tile_traits(tile).k_multiple > 64) {  // K = 320 / 192: rejected, naming K
-    EXPECT_THROW(run_l1_case(q, 1, Activation::situ(4.0f, 25.0f), false, false, tile), megamoe::Error);
-    EXPECT_THROW(run_l2_case(q, 1, false, tile), megamoe::Error);
+  run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, forced(tile));
+  run_l2_case(p, p.rows, true, forced(tile));
+  if (sm90::tile_config(tile).k_multiple() > 64) {
+    for (int l = 1; l <= 2; ++l) {
+      try {
+        if (l == 1) run_l1_case(q, 1, Activation::situ(4.0f, 25.0f), false, false, forced(tile));
+        else run_l2_case(q, 1, false, forced(tile));
+        ADD_FAILURE() << sm90::tile_config(tile).name << " ran K = 320 / 192";
+      } catch (const megamoe::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("takes K"), std::string::npos) << e.what();
+      }
+    }
     return;
   }
-  run_l1_case(q, 1, Activation::situ(4.0f, 25.0f), false, false, tile);
-  run_l2_case(q, 1, false, tile);
+  run_l1_case(q, 1, Activation::situ(4.0f, 25.0f), false, false, forced(tile));
+  run_l2_case(q, 1, false, forced(tile));
 }
 
-// Scale bytes on both sides of 128 (weights up to 6 x 2^18): kAuto (which then runs the serial
-// tiles) and the serial tiles compute them exactly; a tile whose traits say it needs small scales
-// (the overlapped ones) is refused with an error that names the scales, and launches nothing.
+// Scale bytes on both sides of 128 (weights up to 6 x 2^18): the policy (which then runs the
+// serial tiles) and the serial tiles compute them exactly; an overlapped tile is refused with an
+// error that names the scales, and launches nothing.
 // (W2: warps 0, 2 of each block see 110..145, warps 1, 3 only 110..127; W13 likewise by the
 // interleave.)
-void wide_scale_case(sm90::GemmTile tile) {
+void wide_scale_case(TileRequest tile) {
   Problem p = make_problem(512, 256, {3, 40, 150}, false, 10);
   std::mt19937 rng(11);
   auto respread = [&](std::vector<uint8_t>& sf, int64_t n, int64_t k) {
@@ -577,14 +490,13 @@ void wide_scale_case(sm90::GemmTile tile) {
   };
   respread(p.w13_sf, 2 * p.I, p.H);
   respread(p.w2_sf, p.H, p.I);
-  if (tile == sm90::GemmTile::kAuto || tile == sm90::GemmTile::kAutoSerial ||
-      !sm90::tile_traits(tile).needs_small_scales) {
+  if (tile.mode != TileRequest::Mode::kForced || !sm90::tile_config(tile.tile).needs_small_scales()) {
     run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
     run_l2_case(p, p.rows, false, tile);
     return;
   }
   for (int l = 1; l <= 2; ++l) {
-    SCOPED_TRACE("L" + std::to_string(l) + " tile=" + std::to_string(int(tile)));
+    SCOPED_TRACE("L" + std::to_string(l) + " tile=" + sm90::to_string(tile));
     try {
       if (l == 1) run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
       else run_l2_case(p, p.rows, false, tile);
@@ -598,37 +510,35 @@ void wide_scale_case(sm90::GemmTile tile) {
 
 TEST(Sm90Gemm, EveryTileConfig) {
   SKIP_WITHOUT_SM90();
-  for (const sm90::GemmTile tile : kDefaultTiles) every_tile_case(tile);
+  for (const TileId tile : every_tile()) every_tile_case(tile);
 }
 
 // The same cases with the static split of the units (a workspace without a unit counter).
 TEST(Sm90Gemm, EveryTileConfigStaticUnits) {
   SKIP_WITHOUT_SM90();
   const ScopedSetting<bool> static_units(g_static_units, true);
-  for (const sm90::GemmTile tile : kDefaultTiles) every_tile_case(tile);
+  for (const TileId tile : every_tile()) every_tile_case(tile);
 }
 
 // Units taken at run time go to whichever CTA is ahead, and each unit's result does not depend
 // on the CTA that runs it: the same launch with and without the unit counter must agree bit for
-// bit (the decode tiles kAuto picks, forced: kAuto's own pick depends on the counter, and the
-// split tile with 2 K parts).
+// bit (the decode tiles, forced: the policy's own pick depends on the counter; the split tile
+// with 2 K parts).
 TEST(Sm90Gemm, RunTimeUnitsAgreeBitwiseWithStaticSplit) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 513, 3, 130, 250}, true, 8);
-  const std::pair<sm90::GemmTile, int> runs[] = {{sm90::GemmTile::kDecode8X4KWarp, 0},
-                                                 {sm90::GemmTile::kDecode8X2K2Warp, 0},
-                                                 {sm90::GemmTile::kDecode16X2K2Warp, 0},
-                                                 {sm90::GemmTile::kDecode16X2K2SplitWarp, 2},
-                                                 {sm90::GemmTile::kDecode8X2K2, 0},
-                                                 {sm90::GemmTile::kDecode16X2K2, 0},
-                                                 {sm90::GemmTile::kDecode16X2K2Split, 2}};
+  const std::pair<TileId, int> runs[] = {
+      {TileId::kDecode128x8K4Warp, 0},   {TileId::kDecode128x8K2Warp, 0},
+      {TileId::kDecode128x8K1Warp, 0},   {TileId::kDecode128x16K2Warp, 0},
+      {TileId::kDecode128x16K1Warp, 0},  {TileId::kDecode128x16K2WarpSplitK, 2},
+      {TileId::kDecode128x16K2Cta3, 0},  {TileId::kDecode64x16, 0}};
   for (const auto& [tile, splits] : runs) {
-    SCOPED_TRACE("tile=" + std::to_string(int(tile)) + " k_splits=" + std::to_string(splits));
+    SCOPED_TRACE(std::string("tile=") + sm90::tile_config(tile).name + " k_splits=" + std::to_string(splits));
     std::vector<uint16_t> l1[2], l2[2];
     for (int fixed = 0; fixed < 2; ++fixed) {
       const ScopedSetting<bool> scope(g_static_units, fixed == 1);
-      run_l1_case(p, p.rows, Activation::swiglu(), true, true, tile, splits, &l1[fixed]);
-      run_l2_case(p, p.rows, true, tile, splits, &l2[fixed]);
+      run_l1_case(p, p.rows, Activation::swiglu(), true, true, forced(tile), splits, &l1[fixed]);
+      run_l2_case(p, p.rows, true, forced(tile), splits, &l2[fixed]);
     }
     EXPECT_TRUE(l1[0] == l1[1]) << "L1 h_act differs between run-time units and the static split";
     EXPECT_TRUE(l2[0] == l2[1]) << "L2 out differs between run-time units and the static split";
@@ -637,9 +547,9 @@ TEST(Sm90Gemm, RunTimeUnitsAgreeBitwiseWithStaticSplit) {
 
 TEST(Sm90Gemm, ScalesAboveAndBelow128) {
   SKIP_WITHOUT_SM90();
-  wide_scale_case(sm90::GemmTile::kAuto);
-  wide_scale_case(sm90::GemmTile::kAutoSerial);
-  for (const sm90::GemmTile tile : kDefaultTiles) wide_scale_case(tile);
+  wide_scale_case(TileRequest::automatic());
+  wide_scale_case(TileRequest::serial());
+  for (const TileId tile : every_tile()) wide_scale_case(forced(tile));
 }
 
 // scales_all_small: one byte >= 128 anywhere (first, last, inside the 16-byte vectors, in the
@@ -675,75 +585,41 @@ TEST(Sm90Gemm, ScalesAllSmallFindsEveryLargeByte) {
   EXPECT_THROW(sm90::scales_all_small(base, -1, nullptr), megamoe::Error);
 }
 
-TEST(Sm90GemmOptIn, EveryTileConfig) {
-  SKIP_WITHOUT_SM90();
-  for (const sm90::GemmTile tile : kOptInTiles) every_tile_case(tile);
-}
-
-// tile_traits: the kAuto policies are not forced tiles; kAuto's own picks need small scales
-// (overlapped), the serial tiles do not. (The GPU tests above check each trait against what the
-// launcher does: the refusals on large scales and on K = 320 / 192.)
-TEST(Sm90GemmPlan, TileTraits) {
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kAuto, sm90::GemmTile::kAutoOverlap,
-                                    sm90::GemmTile::kAutoSerial, static_cast<sm90::GemmTile>(99)}) {
-    EXPECT_THROW(sm90::tile_traits(tile), megamoe::Error) << int(tile);
-  }
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode8X2K2, sm90::GemmTile::kDecode16X2K2Split,
-                                    sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillWideAsync}) {
-    EXPECT_TRUE(sm90::tile_traits(tile).needs_small_scales) << int(tile);
-    EXPECT_EQ(sm90::tile_traits(tile).k_multiple, 64) << int(tile);
-  }
-  EXPECT_EQ(sm90::tile_traits(sm90::GemmTile::kPrefillAsyncK2N96E2).k_multiple, 128);
-  EXPECT_EQ(sm90::tile_traits(sm90::GemmTile::kDecode8X4KWarp).k_multiple, 256);
-  EXPECT_TRUE(sm90::tile_traits(sm90::GemmTile::kDecode8X4KWarp).needs_small_scales);
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode8, sm90::GemmTile::kDecode16,
-                                    sm90::GemmTile::kPrefill, sm90::GemmTile::kDecode8X2}) {
-    EXPECT_FALSE(sm90::tile_traits(tile).needs_small_scales) << int(tile);
-  }
-}
-
-TEST(Sm90GemmOptIn, ScalesAboveAndBelow128) {
-  SKIP_WITHOUT_SM90();
-  for (const sm90::GemmTile tile : kOptInTiles) wide_scale_case(tile);
-}
-
-// The decode tiles with two k-blocks per stage on a problem small enough for compute-sanitizer
-// (tests/gpu/run_reliability.sh runs ReliabilitySanitize.* under memcheck, racecheck and
-// synccheck): the layer's small shape has too few tiles for kAuto to pick them.
+// The decode tiles with several k-blocks per stage on a problem small enough for
+// compute-sanitizer (tests/gpu/run_reliability.sh runs ReliabilitySanitize.* under memcheck,
+// racecheck and synccheck): the layer's small shape has too few tiles for the policy to pick them.
 TEST(ReliabilitySanitize, DecodeTilesTwoKBlocksPerStage) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {3, 0, 9, 1}, false, 13);
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kDecode16X2K2Warp, sm90::GemmTile::kDecode8X4KWarp,
-                                    sm90::GemmTile::kDecode8X2K2Warp, sm90::GemmTile::kDecode16X2K2,
-                                    sm90::GemmTile::kDecode16X2K2x3, sm90::GemmTile::kDecode16X4K2}) {
-    run_l1_case(p, p.rows, Activation::swiglu(), true, false, tile);
-    run_l2_case(p, p.rows, false, tile);
+  for (const TileId tile : {TileId::kDecode128x16K2Warp, TileId::kDecode128x8K4Warp,
+                            TileId::kDecode128x8K2Warp, TileId::kDecode128x16K2Cta3}) {
+    run_l1_case(p, p.rows, Activation::swiglu(), true, false, forced(tile));
+    run_l2_case(p, p.rows, false, forced(tile));
   }
 }
 
-// Split-K (tile kDecode16X2K2SplitWarp, kAuto's when a decode launch has few tiles, and its wgmma
-// version kDecode16X2K2Split): 1..4 K parts
-// of 4 or 8 stages (K2), and of 3 or 5 one-k-block stages (K = 192, 320: the twin), partial tiles, empty experts, bias, several units per CTA (more
-// units than a small problem's tiles), compared with the same reference; the counters must be
-// back to zero after every launch. Small enough for compute-sanitizer.
+// Split-K (the *_splitk tiles, the policy's when a decode launch has few tiles): 1..4 K parts of
+// 4 or 8 stages (two k-blocks each), and of 3 or 5 one-k-block stages (K = 192, 320: the k1
+// tile), partial tiles, empty experts, bias, several units per CTA (more units than a small
+// problem's tiles), compared with the same reference; the counters must be back to zero after
+// every launch. Small enough for compute-sanitizer.
 TEST(ReliabilitySanitize, DecodeTilesSplitK) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(1024, 512, {3, 0, 9, 1, 17}, true, 15);
   const Problem q = make_problem(320, 192, {5, 0, 2, 17}, false, 16);
-  for (const sm90::GemmTile tile :
-       {sm90::GemmTile::kDecode16X2K2SplitWarp, sm90::GemmTile::kDecode16X2K2Split}) {
-    for (int parts : {1, 2, 3, 4}) {
-      run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile, parts);
-      run_l2_case(p, p.rows, true, tile, parts);
-      run_l1_case(q, q.rows, Activation::situ(4.0f, 25.0f), false, false, tile, parts);
-      if (parts <= 3) run_l2_case(q, q.rows, false, tile, parts);
-    }
+  for (int parts : {1, 2, 3, 4}) {
+    run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true,
+                forced(TileId::kDecode128x16K2WarpSplitK), parts);
+    run_l2_case(p, p.rows, true, forced(TileId::kDecode128x16K2WarpSplitK), parts);
+    run_l1_case(q, q.rows, Activation::situ(4.0f, 25.0f), false, false,
+                forced(TileId::kDecode128x16K1WarpSplitK), parts);
+    if (parts <= 3) run_l2_case(q, q.rows, false, forced(TileId::kDecode128x16K1WarpSplitK), parts);
   }
 }
 
-// kAuto's split-K choice at T = 1 of the DeepSeek-V3 shape (8 experts, one row each): L1's 256
-// tiles of 128 rows run in 2 K parts on an H200 (132 x 4 slots), L2's 448 unsplit; both against
-// the reference.
+// The policy's split-K choice at T = 1 of the DeepSeek-V3 shape (8 experts, one row each): L1's
+// 256 tiles of 128 rows run in 2 K parts on an H200 (132 x 4 slots), L2's 448 unsplit; both
+// against the reference.
 TEST(Sm90Gemm, KAutoSplitKAtOneToken) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(7168, 2048, std::vector<int>(8, 1), false, 17);
@@ -755,63 +631,63 @@ TEST(Sm90Gemm, KAutoSplitKAtOneToken) {
 TEST(Sm90Gemm, SplitKRejectsWhatCannotSplit) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {3, 1}, false, 18);
-  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kPrefillK2, 2));
-  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2, 2));  // unsplit tile
-  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2Split, 3));  // 2 stages
-  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2Split, 5));
-  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2SplitWarp, 3));
-  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, sm90::GemmTile::kDecode16X2K2Warp, 2));
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, forced(TileId::kPrefill256x128K2Staged), 2));
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, forced(TileId::kDecode128x16K2Warp), 2));  // unsplit
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, forced(TileId::kDecode128x16K2WarpSplitK), 3));  // 2 stages
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, forced(TileId::kDecode128x16K2WarpSplitK), 5));
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, forced(TileId::kDecode128x16K1WarpSplitK), 5));
 }
 
 // The staged-epilogue prefill tiles (stmatrix staging; the asynchronous epilogue's handshake
-// over tile boundaries) on a problem small enough for compute-sanitizer: partial m- and n-tiles,
-// several tiles per CTA, bias; K = 320 runs the two-k-block tiles as their twins.
+// over tile boundaries) on problems small enough for compute-sanitizer: partial m- and n-tiles,
+// several tiles per CTA, bias; K = 320 (I) for the tiles that take any multiple of 64.
 TEST(ReliabilitySanitize, PrefillStagedEpilogues) {
   SKIP_WITHOUT_SM90();
-  const Problem p = make_problem(512, 320, {0, 1, 7, 64, 0, 200, 3, 130}, true, 14);
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kPrefillK2, sm90::GemmTile::kPrefillAsyncK2,
-                                    sm90::GemmTile::kPrefillWideAsync,
-                                    sm90::GemmTile::kPrefillWideStaged}) {
-    run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, true, tile);
-    run_l2_case(p, p.rows, true, tile);
+  const std::vector<int> counts = {0, 1, 7, 64, 0, 200, 3, 130};
+  const Problem p = make_problem(512, 320, counts, true, 14);
+  const Problem p128 = make_problem(512, 256, counts, true, 14);
+  for (const TileId tile : {TileId::kPrefill256x128K2Staged, TileId::kPrefill256x128K1Staged,
+                            TileId::kPrefill128x192Async}) {
+    const Problem& pt = sm90::tile_config(tile).k_multiple() == 64 ? p : p128;
+    run_l1_case(pt, pt.rows, Activation::situ(4.0f, 25.0f), true, true, forced(tile));
+    run_l2_case(pt, pt.rows, true, forced(tile));
   }
 }
 
-// The same for the asynchronous tiles that need K a multiple of 128 (no twin): 96- and 64-row
-// n-tiles, experts above 96 and 192 rows.
+// The same for the asynchronous tiles that need K a multiple of 128 (no one-k-block sibling):
+// 96- and 64-row n-tiles, experts above 96 and 192 rows.
 TEST(ReliabilitySanitize, PrefillAsyncNarrowTiles) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 200, 3, 130, 97}, true, 19);
-  for (const sm90::GemmTile tile : {sm90::GemmTile::kPrefillAsyncK2N96,
-                                    sm90::GemmTile::kPrefillAsyncK2N64,
-                                    sm90::GemmTile::kPrefillAsyncK2N96E2}) {
-    run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, true, tile);
-    run_l2_case(p, p.rows, true, tile);
+  for (const TileId tile : {TileId::kPrefill256x64K2Async, TileId::kPrefill256x96K2Async2}) {
+    run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, true, forced(tile));
+    run_l2_case(p, p.rows, true, forced(tile));
   }
 }
 
 // More tiles than CTA slots (132 SMs x 4): every CTA runs several tiles, so the pipeline's stage
 // and phase carry over tile boundaries (L1 of the 256-row tile: 8 m-tiles x 96 experts).
-TEST(Sm90GemmOptIn, SeveralTilesPerCta) {
+TEST(Sm90Gemm, SeveralTilesPerCta) {
   SKIP_WITHOUT_SM90();
   std::vector<int> counts(96);
   for (int e = 0; e < 96; ++e) counts[e] = (e * 7) % 5;  // 0..4 rows, some experts empty
   const Problem p = make_problem(1024, 1024, counts, false, 12);
-  for (const sm90::GemmTile tile : kOptInTiles) {
-    run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, false, tile);
-    run_l2_case(p, p.rows, false, tile);
+  for (const TileId tile : {TileId::kSerial64x8, TileId::kSerial256x128, TileId::kDecode64x16,
+                            TileId::kDecode128x8K4Warp, TileId::kPrefill256x128K2Staged}) {
+    run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, false, forced(tile));
+    run_l2_case(p, p.rows, false, forced(tile));
   }
 }
 
-// kAutoSerial as the layer gets it with MEGAMOE_SM90_GEMM_OVERLAP=0 (decode and prefill picks on
-// the Kimi-K3 shape; kAuto's picks are Sm90Gemm.KimiShapeDecodeAndOneLargeExpert).
+// The serial policy (LayerConfig::sm90.gemm_tile = "serial"): decode and prefill picks on the
+// Kimi-K3 shape (the default policy's picks are Sm90Gemm.KimiShapeDecodeAndOneLargeExpert).
 TEST(Sm90Gemm, KimiShapeAutoSerial) {
   SKIP_WITHOUT_SM90();
   const Problem p = make_problem(3584, 3072, {1, 0, 2, 0, 129}, false, 6);
-  run_l1_case(p, 4, Activation::situ(4.0f, 25.0f), true, false, sm90::GemmTile::kAutoSerial);
-  run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, false, sm90::GemmTile::kAutoSerial);
-  run_l2_case(p, 4, false, sm90::GemmTile::kAutoSerial);
-  run_l2_case(p, p.rows, false, sm90::GemmTile::kAutoSerial);
+  run_l1_case(p, 4, Activation::situ(4.0f, 25.0f), true, false, TileRequest::serial());
+  run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), true, false, TileRequest::serial());
+  run_l2_case(p, 4, false, TileRequest::serial());
+  run_l2_case(p, p.rows, false, TileRequest::serial());
 }
 
 TEST(Sm90Gemm, Rows4096OneExpert) {
@@ -819,334 +695,6 @@ TEST(Sm90Gemm, Rows4096OneExpert) {
   const Problem p = make_problem(512, 256, {4096, 0, 1}, false, 7);
   run_l1_case(p, p.rows, Activation::swiglu(), true, false);
   run_l2_case(p, p.rows, false);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Micro-benchmark: GEMM-only times for Kimi-K3 and DeepSeek-V3 shapes.
-// ---------------------------------------------------------------------------------------------
-__global__ void fill_random_kernel(uint8_t* p, int64_t n, uint32_t seed, int mode) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-    p[i] = mode == 0 ? static_cast<uint8_t>(h) : static_cast<uint8_t>(118 + (h & 7));
-  }
-}
-__global__ void fill_bf16_kernel(uint16_t* p, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-    p[i] = static_cast<uint16_t>(0x3C00 | (h & 0x80FF));  // |x| in [2^-7, 2^-6): finite, nonzero
-  }
-}
-
-struct BenchShape { const char* name; int64_t H, I, E, K; };
-
-#if MEGAMOE_DIAG_TIMELINE
-// Prints the stamps of the last launch (kernels/sm90/sm90_diag_timeline.cuh) as distributions
-// over its CTAs, in us from the first CTA's entry, and clears them.
-void print_timeline(const std::string& label, double event_us) {
-  namespace d = sm90::diag;
-  const std::vector<uint64_t> tab = sm90::diag_read_timeline();
-  auto at = [&](int cta, int ev) { return tab[size_t(cta) * d::kNumEvents + ev]; };
-  int ctas = 0;
-  uint64_t t0 = ~uint64_t(0);
-  while (ctas < d::kTimelineCtas && at(ctas, d::kEntry) != 0) t0 = std::min(t0, at(ctas++, d::kEntry));
-  if (ctas == 0) { printf("[timeline] %s: no CTA recorded\n", label.c_str()); return; }
-  auto dist = [&](int ev, bool from_entry) {
-    std::vector<double> v;
-    for (int c = 0; c < ctas; ++c) {
-      if (at(c, ev) == 0) continue;
-      v.push_back((at(c, ev) - (from_entry ? at(c, d::kEntry) : t0)) * 1e-3);
-    }
-    std::sort(v.begin(), v.end());
-    char buf[128];
-    if (v.empty()) return std::string("-");
-    auto q = [&](double f) { return v[std::min(v.size() - 1, size_t(f * double(v.size())))]; };
-    snprintf(buf, sizeof(buf), "%.1f/%.1f/%.1f/%.1f/%.1f", v.front(), q(0.1), q(0.5), q(0.9), v.back());
-    return std::string(buf);
-  };
-  printf("[timeline] %s: %d CTAs, events %.1f us; us from the first entry, min/p10/p50/p90/max:\n",
-         label.c_str(), ctas, event_us);
-  printf("[timeline]   entry %s | schedule (from own entry) %s | first unit done %s\n",
-         dist(d::kEntry, false).c_str(), dist(d::kScheduleBuilt, true).c_str(),
-         dist(d::kFirstUnitDone, false).c_str());
-  printf("[timeline]   producer done %s | math done %s\n", dist(d::kProducerDone, false).c_str(),
-         dist(d::kMathDone, false).c_str());
-  // Per unit count: CTAs and their mean end; per SM: the last end of its CTAs.
-  std::vector<int> n_units(64, 0);
-  std::vector<double> end_sum(64, 0);
-  std::vector<double> sm_end(1024, 0);
-  int max_sm = 0;
-  for (int c = 0; c < ctas; ++c) {
-    const int u = int(std::min<uint64_t>(63, at(c, d::kUnits)));
-    const double end = at(c, d::kMathDone) ? (at(c, d::kMathDone) - t0) * 1e-3 : 0;
-    ++n_units[u];
-    end_sum[u] += end;
-    const int sm = int(at(c, d::kSmid)) & 1023;
-    sm_end[sm] = std::max(sm_end[sm], end);
-    max_sm = std::max(max_sm, sm);
-  }
-  double sums[4] = {0, 0, 0, 0}, lasts = 0;
-  for (int c = 0; c < ctas; ++c) {
-    for (int k = 0; k < 4; ++k) sums[k] += at(c, d::kReduceStoreNs + k) * 1e-3;
-    lasts += double(at(c, d::kLastArrivals));
-  }
-  printf("[timeline]   per CTA, mean us: hand-off store+fence %.2f, barrier+arrival %.2f, sum of parts %.2f "
-         "(last arrivals %.2f per CTA), epilogues %.2f\n",
-         sums[0] / ctas, sums[1] / ctas, sums[2] / ctas, lasts / ctas, sums[3] / ctas);
-  printf("[timeline]   units per CTA (count, mean end us):");
-  for (int u = 0; u < 64; ++u) if (n_units[u]) printf(" %d:(%d, %.1f)", u, n_units[u], end_sum[u] / n_units[u]);
-  std::vector<double> ends(sm_end.begin(), sm_end.begin() + max_sm + 1);
-  std::sort(ends.begin(), ends.end());
-  printf("\n[timeline]   last end per SM: min %.1f p50 %.1f max %.1f (%d SMs)\n", ends.front(),
-         ends[ends.size() / 2], ends.back(), max_sm + 1);
-  // SMs grouped by the units their CTAs ran: whether the SMs with more units end last.
-  std::vector<int> sm_units(max_sm + 1, 0);
-  for (int c = 0; c < ctas; ++c) sm_units[int(at(c, d::kSmid)) & 1023] += int(at(c, d::kUnits));
-  std::vector<int> g_count(64, 0);
-  std::vector<double> g_end(64, 0), g_max(64, 0);
-  for (int sm = 0; sm <= max_sm; ++sm) {
-    const int g = std::min(63, sm_units[sm]);
-    ++g_count[g];
-    g_end[g] += sm_end[sm];
-    g_max[g] = std::max(g_max[g], sm_end[sm]);
-  }
-  printf("[timeline]   SMs by units run (units: SMs, mean / max last end us):");
-  for (int g = 0; g < 64; ++g) {
-    if (g_count[g]) printf(" %d:(%d, %.1f / %.1f)", g, g_count[g], g_end[g] / g_count[g], g_max[g]);
-  }
-  printf("\n");
-}
-#endif
-
-// The integers of a comma-separated environment variable (empty when unset or empty).
-static std::vector<long> env_int_list(const char* name) {
-  std::vector<long> list;
-  const char* env = std::getenv(name);
-  for (const char* c = env != nullptr ? env : ""; *c != 0;) {
-    char* end = nullptr;
-    const long v = std::strtol(c, &end, 10);
-    if (end == c) { ++c; continue; }
-    list.push_back(v);
-    c = end;
-  }
-  return list;
-}
-
-// MEGAMOE_BENCH_TOKENS="1,8" replaces the GEMM benchmark's token counts (default 1, 8, 64, 512,
-// 4096, 8192; any count up to 8192).
-static std::vector<int> bench_token_list() {
-  const std::vector<long> env = env_int_list("MEGAMOE_BENCH_TOKENS");
-  if (env.empty()) return {1, 8, 64, 512, 4096, 8192};
-  std::vector<int> list;
-  for (long t : env) {
-    if (t >= 1 && t <= 8192) list.push_back(static_cast<int>(t));
-  }
-  return list;
-}
-
-// MEGAMOE_BENCH_TILES="0,25,28" restricts it to those tiles (sm90::GemmTile numbers; 0 is kAuto
-// with its four launch modes; default: all).
-static bool bench_tile_selected(sm90::GemmTile tile) {
-  static const std::vector<long> tiles = env_int_list("MEGAMOE_BENCH_TILES");
-  return tiles.empty() ||
-         std::find(tiles.begin(), tiles.end(), static_cast<long>(tile)) != tiles.end();
-}
-
-// MEGAMOE_BENCH_ORDER=reverse times each point's rows last to first. Rows timed later in a call
-// read slower (clocks under sustained load: docs/perf.md, tuning log v12), so an A/B of two tiles
-// runs the benchmark once in each order and compares the means.
-static bool bench_reverse_order() {
-  const char* v = std::getenv("MEGAMOE_BENCH_ORDER");
-  return v != nullptr && std::string(v) == "reverse";
-}
-
-TEST(Sm90GemmBench, DISABLED_Shapes) {
-  SKIP_WITHOUT_SM90();
-  const auto& dev = cuda::device_info();
-  // Copy ceiling in the same run.
-  printf("[bench] %s: device copy %.2f TB/s (read + write)\n", dev.name.c_str(), test::device_copy_tbs());
-  const BenchShape shapes[] = {{"kimi-k3", 3584, 3072, 896, 16}, {"deepseek-v3", 7168, 2048, 256, 8}};
-  const std::vector<int> tokens = bench_token_list();
-  for (const auto& s : shapes) {
-    const int64_t max_rows = 8192 * s.K;
-    Buffer w13(s.E * 2 * s.I * s.H / 2, Device::cuda()), w13sf(s.E * 2 * s.I * s.H / 32, Device::cuda());
-    Buffer w2(s.E * s.H * s.I / 2, Device::cuda()), w2sf(s.E * s.H * s.I / 32, Device::cuda());
-    fill_random_kernel<<<4096, 256>>>(w13.as<uint8_t>(), w13.size(), 1, 0);
-    fill_random_kernel<<<4096, 256>>>(w13sf.as<uint8_t>(), w13sf.size(), 2, 1);
-    fill_random_kernel<<<4096, 256>>>(w2.as<uint8_t>(), w2.size(), 3, 0);
-    fill_random_kernel<<<4096, 256>>>(w2sf.as<uint8_t>(), w2sf.size(), 4, 1);
-    Buffer x((max_rows + sm90::kRowSlack) * s.H * 2, Device::cuda());
-    Buffer hact((max_rows + sm90::kRowSlack) * s.I * 2, Device::cuda());
-    fill_bf16_kernel<<<4096, 256>>>(x.as<uint16_t>(), x.size() / 2, 5);
-    fill_bf16_kernel<<<4096, 256>>>(hact.as<uint16_t>(), hact.size() / 2, 6);
-    Buffer hq(max_rows * s.I, Device::cuda()), hsf(max_rows * s.I / 32, Device::cuda());
-    Buffer hact_out((max_rows + sm90::kRowSlack) * s.I * 2, Device::cuda());
-    Buffer out(max_rows * s.H * 2, Device::cuda());
-    std::vector<float> rw(max_rows, 0.5f);
-    Buffer d_rw = to_device(rw);
-    const int bench_split_tiles = int(8 * s.K * (std::max(s.H, 2 * s.I) / 128));  // T <= 8
-    const SplitWorkspace bench_split(bench_split_tiles,
-                                     int64_t(bench_split_tiles) * sm90::kMaxKSplits * 128 * 16);
-    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
-    const bool w13_small = sm90::scales_all_small(w13sf.as<uint8_t>(), w13sf.size(), nullptr);
-    const bool w2_small = sm90::scales_all_small(w2sf.as<uint8_t>(), w2sf.size(), nullptr);
-    printf("[bench] %s: scale bytes all < 128: w13 %d, w2 %d\n", s.name, int(w13_small), int(w2_small));
-    for (int T : tokens) {
-      // Uniform top-k routing without repeats, 4 seeds rotated (different experts each launch).
-      constexpr int kRot = 4;
-      std::vector<Buffer> offs;
-      double active_avg = 0;
-      for (int rot = 0; rot < kRot; ++rot) {
-        std::mt19937 rng(1000 * T + rot);
-        std::vector<int> cnt(s.E, 0), perm(s.E);
-        for (int t = 0; t < T; ++t) {
-          std::iota(perm.begin(), perm.end(), 0);
-          for (int k = 0; k < s.K; ++k) {
-            std::swap(perm[k], perm[k + rng() % (s.E - k)]);
-            ++cnt[perm[k]];
-          }
-        }
-        std::vector<int32_t> o(s.E + 1, 0);
-        for (int e = 0; e < s.E; ++e) o[e + 1] = o[e] + cnt[e];
-        active_avg += std::count_if(cnt.begin(), cnt.end(), [](int c) { return c > 0; }) / double(kRot);
-        offs.push_back(to_device(o));
-      }
-      const int64_t rows = int64_t(T) * s.K;
-      sm90::L1Args a1;
-      a1.num_experts = int(s.E); a1.hidden = s.H; a1.intermediate = s.I; a1.max_rows = max_rows;
-      a1.rows_hint = rows; a1.act = x.as<uint16_t>(); a1.row_weights = d_rw.as<float>();
-      a1.w13 = w13.as<uint8_t>(); a1.w13_sf = w13sf.as<uint8_t>(); a1.small_scales = w13_small;
-      a1.activation = std::string(s.name) == "kimi-k3" ? Activation::situ(4.0f, 25.0f) : Activation::swiglu();
-      a1.h_q = hq.as<uint8_t>(); a1.h_sf = hsf.as<uint8_t>(); a1.h_act = hact_out.as<uint16_t>();
-      sm90::L2Args a2;
-      a2.num_experts = int(s.E); a2.hidden = s.H; a2.intermediate = s.I; a2.max_rows = max_rows;
-      a2.rows_hint = rows; a2.h_act = hact.as<uint16_t>(); a2.row_weights = d_rw.as<float>();
-      a2.w2 = w2.as<uint8_t>(); a2.w2_sf = w2sf.as<uint8_t>(); a2.out = out.as<uint16_t>();
-      a2.small_scales = w2_small;
-      // kAuto is what the layer runs (the overlapped configs); kAutoSerial the former default
-      // (serial configs); decode and prefill tiles are also timed forced where they could be
-      // chosen (tile numbers: sm90::GemmTile).
-      std::vector<sm90::GemmTile> variants = {sm90::GemmTile::kAuto, sm90::GemmTile::kAutoSerial};
-      if (T <= 512) {
-        variants.push_back(sm90::GemmTile::kDecode16);
-        variants.push_back(sm90::GemmTile::kDecode16Overlap);
-        variants.push_back(sm90::GemmTile::kDecode16X2);
-        variants.push_back(sm90::GemmTile::kDecode8X2);
-        variants.push_back(sm90::GemmTile::kDecode16X2Overlap);
-        variants.push_back(sm90::GemmTile::kDecode16X4Overlap);
-        variants.push_back(sm90::GemmTile::kDecode16X2Overlap3);
-        variants.push_back(sm90::GemmTile::kDecode16X2K2);
-        variants.push_back(sm90::GemmTile::kDecode16X4K2);
-        variants.push_back(sm90::GemmTile::kDecode16X2K2x3);
-        if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2);  // kAuto's at avg <= 4 rows
-        if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X2K2Warp);
-        if (T <= 64) variants.push_back(sm90::GemmTile::kDecode8X4KWarp);
-        variants.push_back(sm90::GemmTile::kDecode16X2K2Warp);
-      }
-      if (T >= 512) {
-        variants.push_back(sm90::GemmTile::kPrefillOverlap);
-        variants.push_back(sm90::GemmTile::kPrefillWideOverlap);
-        variants.push_back(sm90::GemmTile::kPrefillStaged);
-        variants.push_back(sm90::GemmTile::kPrefillWideStaged);
-        variants.push_back(sm90::GemmTile::kPrefillK2);
-        variants.push_back(sm90::GemmTile::kPrefillAsyncK2);
-        variants.push_back(sm90::GemmTile::kPrefillWideAsync);
-        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96);
-        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N64);
-        variants.push_back(sm90::GemmTile::kPrefillAsyncK2N96E2);
-      }
-      // Split-K (T <= 8): the 128-row split tile forced with 1..kMaxKSplits K parts.
-      // Modes (kAuto only; every other row is mode 0):
-      //   0 units taken at run time (the workspace's unit counter, as in the layer), plain launches;
-      //   1 the static split of the units (no unit counter), plain launches;
-      //   2 units taken at run time, programmatic launches (each launch may start while the
-      //     previous one ends, as the layer's launches do);
-      //   3 the static split, programmatic launches.
-      struct Run { sm90::GemmTile tile; int parts; int mode; };
-      std::vector<Run> runs;
-      if (bench_tile_selected(sm90::GemmTile::kAuto)) {
-        for (int mode = 0; mode < 4; ++mode) runs.push_back({sm90::GemmTile::kAuto, 0, mode});
-      }
-      for (const sm90::GemmTile tile : variants) {
-        if (tile != sm90::GemmTile::kAuto && bench_tile_selected(tile)) runs.push_back({tile, 0, 0});
-      }
-      for (const sm90::GemmTile split_tile :
-           {sm90::GemmTile::kDecode16X2K2Split, sm90::GemmTile::kDecode16X2K2SplitWarp}) {
-        if (T <= 8 && bench_tile_selected(split_tile)) {
-          for (int parts = 1; parts <= sm90::kMaxKSplits; ++parts) runs.push_back({split_tile, parts, 0});
-        }
-      }
-      if (bench_reverse_order()) std::reverse(runs.begin(), runs.end());
-      // (The forced splits get a workspace for every tile of these launches; the layer's covers
-      // only what kAuto splits.)
-      for (const auto& [tile, parts, mode] : runs)
-      for (int which = 0; which < 2; ++which) {
-        a1.tile = tile;
-        a2.tile = tile;
-        a1.k_splits = parts;
-        a2.k_splits = parts;
-        a1.split_k = bench_split.ws;
-        a2.split_k = bench_split.ws;
-        if (mode == 1 || mode == 3) a1.split_k.unit_counter = a2.split_k.unit_counter = nullptr;
-        a1.programmatic = a2.programmatic = mode >= 2;
-        auto launch = [&](int it, cudaStream_t st) {
-          if (which == 0) { a1.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l1(a1, st); }
-          else { a2.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l2(a2, st); }
-        };
-        for (int it = 0; it < 3; ++it) launch(it, nullptr);
-        // Timed as the protocol of targets.md asks (test::time_graph_launches): a CUDA graph of
-        // kRot launches (one per routing seed, back to back as in the layer), events around
-        // several replays enqueued behind an untimed one; time per launch = sample / launches.
-        // Printed beside it: "single", the timing of v9-v13 (events around one replay submitted
-        // to an idle GPU, which counts the host's submission gap), and "eager" (events around one
-        // eagerly launched kernel, the launcher's host work included).
-        const int iters = T >= 4096 ? 6 : 20;
-        std::vector<float> eager(iters);
-        cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-        for (int it = 0; it < iters; ++it) {
-          cudaEventRecord(e0); launch(it, nullptr); cudaEventRecord(e1);
-          MEGAMOE_CUDA_CHECK(cudaEventSynchronize(e1));
-          cudaEventElapsedTime(&eager[it], e0, e1);
-        }
-        cudaEventDestroy(e0); cudaEventDestroy(e1);
-        test::GraphTiming timing;
-        {
-          const test::Stream st;
-          const test::StreamGraph graph(st, [&] { for (int it = 0; it < kRot; ++it) launch(it, st); });
-          graph.launch(st);
-          MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(st));
-          timing = test::time_graph_launches(graph, st, kRot, iters);
-        }
-        MEGAMOE_CUDA_CHECK(cudaGetLastError());
-        std::sort(eager.begin(), eager.end());
-        const double med = timing.median_us, mn = timing.min_us;
-        const double single_med = timing.single_median_us, eager_med = eager[iters / 2] * 1e3;
-        const double n_rows = which == 0 ? 2.0 * s.I : double(s.H);
-        const double k_red = which == 0 ? double(s.H) : double(s.I);
-        const double wbytes = active_avg * n_rows * k_red * (0.5 + 1.0 / 32);
-        const double flops = 2.0 * rows * n_rows * k_red;
-        static const char* const kModeLabel[] = {"", " static", " pdl", " static pdl"};
-        const std::string split_label =
-            (parts > 0 ? " split=" + std::to_string(parts) : "") + kModeLabel[mode];
-#if MEGAMOE_DIAG_TIMELINE
-        if (T <= 64 && tile == sm90::GemmTile::kAuto && (mode == 0 || mode == 1)) {
-          (void)sm90::diag_read_timeline();  // clears the warm-up's stamps
-          float one = 0;
-          cudaEvent_t t0, t1; cudaEventCreate(&t0); cudaEventCreate(&t1);
-          cudaEventRecord(t0); launch(0, nullptr); cudaEventRecord(t1);
-          MEGAMOE_CUDA_CHECK(cudaEventSynchronize(t1));
-          cudaEventElapsedTime(&one, t0, t1);
-          cudaEventDestroy(t0); cudaEventDestroy(t1);
-          print_timeline(std::string(s.name) + " T=" + std::to_string(T) + (which == 0 ? " L1" : " L2") + " tile=" + std::to_string(int(tile)) + kModeLabel[mode], one * 1e3);
-        }
-#endif
-        printf("[bench] %-11s T=%5d %s tile=%d%s rows=%6lld experts=%6.1f  median %9.1f us (min %9.1f)  %7.1f TFLOP/s  weights %6.0f GB/s  single %9.1f us  eager %9.1f us\n",
-               s.name, T, which == 0 ? "L1" : "L2", int(tile), split_label.c_str(), (long long)rows, active_avg, med, mn,
-               flops / (med * 1e-6) / 1e12, wbytes / (med * 1e-6) / 1e9, single_med, eager_med);
-      }
-    }
-  }
 }
 
 }  // namespace

@@ -151,11 +151,12 @@ struct LayerCase {
   bool bias = false;
   double empty_fraction = 0.0;
   int64_t max_checked_tokens = 1 << 30;  // compare a strided subset beyond this
+  std::string gemm_tile = "auto";          // LayerConfig::sm90.gemm_tile
   std::string describe() const {
     return shape + " ep " + std::to_string(ep_rank) + "/" + std::to_string(ep_size) + " T=" +
            std::to_string(tokens) + " routing=" + test::routing_name(routing) + " act=" +
            (activation.empty() ? "preset" : activation) + (fast_math ? " fast_math" : " exact_math") +
-           (bias ? " bias" : "") + " empty=" + std::to_string(empty_fraction);
+           (bias ? " bias" : "") + " empty=" + std::to_string(empty_fraction) + " tile=" + gemm_tile;
   }
 };
 
@@ -186,6 +187,7 @@ std::unique_ptr<Sm90Layer> make_layer(const LayerCase& c, LayerConfig* config_ou
   LayerConfig config = sd.base;
   if (!c.activation.empty()) config.activation = Activation::parse(c.activation);
   config.fast_math = c.fast_math;
+  config.sm90.gemm_tile = c.gemm_tile;
   *config_out = config;
   return std::make_unique<Sm90Layer>(config, &sd.prepared);
 }
@@ -410,6 +412,29 @@ TEST(Sm90Layer, SmallAllActivationsBothMathModes) {
       }
 }
 
+// The layer on the serial-mainloop tiles (LayerConfig::sm90.gemm_tile = "serial", what the policy
+// runs for weights with a scale byte >= 128), and on one forced tile of each kind, in the same
+// process as the default policy's runs.
+TEST(Sm90Layer, SerialAndForcedTiles) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 300;
+  for (const char* tile : {"serial", "decode_128x16_k2_warp", "prefill_256x128_k2_staged"}) {
+    for (int64_t t : {int64_t(1), int64_t(64), int64_t(513)}) {
+      for (const char* a : {"situ", "swiglu_oai"}) {
+        LayerCase c;
+        c.shape = "small";
+        c.tokens = t;
+        c.routing = t == 64 ? Routing::kUniform : Routing::kSkewed;
+        c.activation = a;
+        c.bias = std::string(a) == "swiglu_oai";
+        c.empty_fraction = 0.1;
+        c.gemm_tile = tile;
+        run_case(c, seed++);
+      }
+    }
+  }
+}
+
 TEST(Sm90Layer, DeepseekV3) {
   MEGAMOE_REQUIRE_SM90();
   struct P { int64_t t; Routing r; const char* act; bool fast; int64_t checked; };
@@ -547,7 +572,7 @@ TEST(Sm90Layer, GraphReplayEqualsEagerAndRunsAreDeterministic) {
   d.routing = Routing::kAdversarial;
   d.fast_math = false;
   check_graph_and_determinism(d, 902);
-  // T = 1: kAuto runs L1 (both shapes) and L2 (small) in split-K parts.
+  // T = 1: the tile policy runs L1 (both shapes) and L2 (small) in split-K parts.
   LayerCase e;
   e.shape = "deepseek-v3";
   e.tokens = 1;

@@ -1,0 +1,32 @@
+// sm90_gemm_launch.hpp: the per-tile launchers of the Hopper grouped GEMMs. Declared here, defined
+// in sm90_gemm_launch.cuh and instantiated once per shipped tile in generated translation units
+// (CMakeLists.txt, sm90_gemm_tile.cu.in), so the kernels compile in parallel and sm90_gemm.cu,
+// which dispatches to them by TileId, compiles none.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "moe/sm90_gemm.hpp"
+#include "sm90/sm90_gemm_config.hpp"
+
+namespace megamoe::sm90 {
+
+// Launches tile kId's kernel of kind kKind on `stream` (checks what the tile asks of K, k_splits,
+// the scales and shared memory first).
+template <TileId kId, GemmKind kKind>
+void launch_tile(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream);
+
+// Row-major bf16 [rows, cols] token rows, read in boxes of box_rows x 64 with 128-byte swizzle.
+CUtensorMap make_rows_map(const uint16_t* base, int64_t rows, int64_t cols, int box_rows);
+
+#if MEGAMOE_DIAG_TIMELINE
+// Measurement builds: the stamps of tile kId's translation unit (each has its own table), and the
+// table cleared. Synchronizes the device.
+template <TileId kId>
+std::vector<uint64_t> diag_read_timeline_of();
+#endif
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,219 @@
+// sm90_tile_policy.cpp: the tile policy of the Hopper expert GEMMs (see the header). Each
+// threshold is named, with the reason it sits where it does; the measurements behind them are in
+// docs/tuning-log.md, the current policy in docs/perf.md.
+#include "moe/sm90_tile_policy.hpp"
+
+#include <algorithm>
+#include <ostream>
+#include <sstream>
+
+#include "megamoe/error.hpp"
+
+namespace megamoe::sm90 {
+namespace {
+
+// ---- thresholds (rows per expert = the launch's rows over the experts they can hit) ----
+
+// Serial mainloop: the 64 x 16 decode tile covers an expert in one tile up to 16 rows; above
+// it the 256 x 128 prefill tile reuses each weight tile for up to 128 rows.
+constexpr int64_t kSerialDecodeMaxAvgRows = 16;
+// Overlapped mainloop: the prefill tiles win from 13 rows per expert (kDecodeMaxAvgRows = 12),
+// and at most 4 rows the 8-row decode tiles halve the B bytes of each stage (kDecode8MaxAvgRows).
+// (112, 166]: the 128 x 192 tile holds an expert's rows in one n-tile (uniform routing spreads
+// counts by ~sqrt(avg), so ~1.15 x avg stays within 192) where 256 x 128 tiles would split most
+// experts into 128 + a small remainder that costs a whole K loop of conversion.
+constexpr int64_t kWideMinAvgRows = 112;
+constexpr int64_t kWideMaxAvgRows = 166;
+// Up to 40 rows the 256 x 64 tile (the largest expert of uniform routing stays within 64 rows,
+// ~3.8 sigma), up to 80 the 256 x 96 one (~1.8 sigma): their smaller B stages leave room for
+// the asynchronous epilogue's staging with more stages than the 128-row tile.
+constexpr int64_t kN64MaxAvgRows = 40;
+constexpr int64_t kN96MaxAvgRows = 80;
+// The 128-row decode tiles need their tiles to fill at least 3/4 of the CTA slots; with fewer
+// the 64-row tile spreads the weight stream over more CTAs.
+constexpr int64_t kDecodeFillNum = 3, kDecodeFillDen = 4;
+// 3 CTAs per SM instead of 4 (static split only) when that grid's waves are >= 10 % fuller:
+// the last wave of a persistent launch leaves slots idle.
+constexpr double kThreeCtaMinGain = 1.1;
+
+constexpr TileId kDecode128Tile = TileId::kDecode128x16K2Warp;
+constexpr TileId kSplitTile = TileId::kDecode128x16K2WarpSplitK;
+constexpr TileId kThreeCtaTile = TileId::kDecode128x16K2Cta3;
+constexpr int64_t kDecodeCtasPerSm = tile_config(kDecode128Tile).ctas_per_sm;
+constexpr int64_t kDecode128Rows = tile_config(kDecode128Tile).block_m();
+static_assert(tile_config(kSplitTile).ctas_per_sm == kDecodeCtasPerSm &&
+                  tile_config(kSplitTile).block_m() == kDecode128Rows &&
+                  tile_config(kThreeCtaTile).block_m() == kDecode128Rows,
+              "the 128-row decode tiles share their grid arithmetic");
+
+struct RowEstimate {
+  int64_t active, avg;
+};
+// A row estimate (0: the capacity) spread over as many experts as there are rows, up to E_l.
+RowEstimate estimate_rows(int64_t rows_hint, int64_t max_rows, int num_experts) {
+  const int64_t rows = rows_hint > 0 ? std::min<int64_t>(rows_hint, max_rows) : max_rows;
+  const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, num_experts));
+  return {active, rows / active};
+}
+
+// Fraction of the CTA slots busy over the waves of a persistent launch of `tiles` tiles.
+double wave_fill(int64_t tiles, int64_t slots) {
+  const int64_t waves = (tiles + slots - 1) / slots;
+  return waves == 0 ? 1.0 : static_cast<double>(tiles) / static_cast<double>(waves * slots);
+}
+
+// Split-K fills the CTA slots that the tiles leave idle, in one wave: parts = slots / tiles, at
+// most kMaxKSplits and the pipeline stages of K. NOTES: a second wave of parts only lost (every
+// part pays its pipeline fill and the partials' round trip).
+int split_k_parts(int64_t tiles, int64_t slots, int64_t stages) {
+  if (tiles <= 0) return 1;
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>({slots / tiles, kMaxKSplits, stages})));
+}
+
+int64_t k_stages(TileId id, int64_t k) { return k / tile_config(id).k_multiple(); }
+
+constexpr int64_t kClassMaxAvg[kRowClasses - 1] = {kDecode8MaxAvgRows, kDecodeMaxAvgRows};
+int avg_class(int64_t avg) {
+  int c = 0;
+  while (c + 1 < kRowClasses && avg > kClassMaxAvg[c]) ++c;
+  return c;
+}
+
+TileChoice choose_serial(int64_t avg) {
+  if (avg <= kDecode8MaxAvgRows) return {TileId::kSerial64x8, 1, "serial: <= 4 rows per expert"};
+  if (avg <= kSerialDecodeMaxAvgRows) {
+    return {TileId::kSerial64x16, 1, "serial: <= 16 rows per expert, one 16-row tile each"};
+  }
+  return {TileId::kSerial256x128, 1, "serial: > 16 rows per expert, weight tiles reused"};
+}
+
+TileChoice choose_decode(const TileQuery& q, const RowEstimate& est) {
+  const int64_t slots = static_cast<int64_t>(q.sm_count) * kDecodeCtasPerSm;
+  const int64_t tiles =
+      est.active * ((q.m_rows + kDecode128Rows - 1) / kDecode128Rows);  // of the 128-row tiles
+  const TileId split_tile = fit_k(kSplitTile, q.k);
+  const int parts = split_k_parts(tiles, slots, k_stages(split_tile, q.k));
+  const bool split = q.split_allowed && parts > 1 && tiles <= q.split_counters_capacity &&
+                     tiles * parts * tile_config(split_tile).split_unit_floats() <=
+                         q.split_partial_floats;
+  if (split) return {split_tile, parts, "decode: few tiles, K split to fill the idle CTA slots"};
+  if (tiles * kDecodeFillDen < slots * kDecodeFillNum) {
+    return {TileId::kDecode64x16, 1, "decode: 128-row tiles would leave over 1/4 of the slots idle"};
+  }
+  if (q.unit_counter && est.avg <= kDecode8MaxAvgRows) {
+    return {fit_k(TileId::kDecode128x8K4Warp, q.k), 1,
+            "decode: <= 4 rows per expert, 8-row tiles, units taken at run time"};
+  }
+  const int64_t sms = q.sm_count;
+  const bool three_per_sm = wave_fill(tiles, sms * tile_config(kThreeCtaTile).ctas_per_sm) >=
+                            kThreeCtaMinGain * wave_fill(tiles, slots);
+  if (three_per_sm && !q.unit_counter) {
+    return {fit_k(kThreeCtaTile, q.k), 1, "decode: static split, 3 CTAs per SM fill the waves better"};
+  }
+  return {fit_k(kDecode128Tile, q.k), 1, "decode: 128 x 16 tiles on warp-level MMAs"};
+}
+
+}  // namespace
+
+TileChoice choose_tile(const TileQuery& q) {
+  const RowEstimate est = estimate_rows(q.rows_hint, q.max_rows, q.num_experts);
+  if (q.serial_only || !q.small_scales) return choose_serial(est.avg);
+  if (est.avg <= kDecodeMaxAvgRows) return choose_decode(q, est);
+  if (est.avg > kWideMinAvgRows && est.avg <= kWideMaxAvgRows) {
+    return {TileId::kPrefill128x192Async, 1, "prefill: 113-166 rows per expert fit one 192-row n-tile"};
+  }
+  const bool k128 = q.k % tile_config(TileId::kPrefill256x64K2Async).k_multiple() == 0;
+  static_assert(tile_config(TileId::kPrefill256x64K2Async).k_multiple() ==
+                tile_config(TileId::kPrefill256x96K2Async2).k_multiple(), "one K rule for both");
+  if (k128 && est.avg <= kN64MaxAvgRows) {
+    return {TileId::kPrefill256x64K2Async, 1, "prefill: 13-40 rows per expert fit one 64-row n-tile"};
+  }
+  if (k128 && est.avg <= kN96MaxAvgRows) {
+    return {TileId::kPrefill256x96K2Async2, 1, "prefill: 41-80 rows per expert fit one 96-row n-tile"};
+  }
+  return {fit_k(TileId::kPrefill256x128K2Staged, q.k), 1,
+          "prefill: 256 x 128 tiles (other row counts, or K not a multiple of 128)"};
+}
+
+LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num_experts,
+                         int64_t max_rows) {
+  LaunchPlan plan;
+  const int64_t e = std::max(1, num_experts);
+  const bool gated = rows_hint > 0 && rows_per_expert_max > 0;
+  const int lo = gated ? avg_class(estimate_rows(rows_hint, max_rows, num_experts).avg) : 0;
+  const int hi = gated ? avg_class(rows_per_expert_max) : 0;
+  // NOTES: only when the prefill class is possible: between the decode classes alone the
+  // skipped launch cost more than the better decode tile gained.
+  if (hi <= lo || hi < kRowClasses - 1) {
+    plan.launch[plan.count++] = GatedLaunch{0, 0, rows_hint};
+    return plan;
+  }
+  for (int c = lo; c <= hi; ++c) {
+    GatedLaunch l;
+    l.gate_min_avg = c == lo ? 0 : static_cast<int>(kClassMaxAvg[c - 1]);
+    l.gate_max_avg = c == hi ? 0 : static_cast<int>(kClassMaxAvg[c]);
+    const int64_t rows = c == lo ? rows_hint
+                         : c == hi ? rows_per_expert_max * e
+                                   : kClassMaxAvg[c] * e;
+    l.rows = std::min<int64_t>(rows, max_rows);
+    plan.launch[plan.count++] = l;
+  }
+  return plan;
+}
+
+// kAuto splits only launches with at most half as many tiles as CTA slots.
+int64_t split_k_counters_for(int sm_count) {
+  return static_cast<int64_t>(sm_count) * kDecodeCtasPerSm / 2;
+}
+
+int64_t split_k_partial_floats_for(int sm_count) {
+  static_assert(tile_config(TileId::kDecode128x16K2WarpSplitK).split_unit_floats() ==
+                    tile_config(TileId::kDecode128x16K1WarpSplitK).split_unit_floats(),
+                "the two split tiles take the same workspace");
+  return static_cast<int64_t>(sm_count) * kDecodeCtasPerSm *
+         tile_config(kSplitTile).split_unit_floats();
+}
+
+TileRequest parse_tile_request(std::string_view name) {
+  if (name == "auto") return TileRequest::automatic();
+  if (name == "serial") return TileRequest::serial();
+  TileId id{};
+  MEGAMOE_CHECK_ARG(tile_by_name(name, &id), "gemm tile: expected one of ", tile_request_names(),
+                    "; got '", std::string(name), "'");
+  return TileRequest::forced(id);
+}
+
+std::string to_string(const TileRequest& request) {
+  switch (request.mode) {
+    case TileRequest::Mode::kAuto: return "auto";
+    case TileRequest::Mode::kSerial: return "serial";
+    case TileRequest::Mode::kForced: return tile_config(request.tile).name;
+  }
+  return "?";
+}
+
+std::string tile_request_names() {
+  std::string names = "auto, serial";
+  for (const TileConfig& t : kTileTable) names += std::string(", ") + t.name;
+  return names;
+}
+
+std::ostream& operator<<(std::ostream& os, const TileConfig& t) {
+  static constexpr const char* kMainloop[] = {"serial", "overlap"};
+  static constexpr const char* kMma[] = {"wgmma", "warp-mma"};
+  static constexpr const char* kEpilogue[] = {"registers", "staged", "async"};
+  os << t.name << " {" << t.block_m() << " x " << t.block_n << " (n step " << t.n_step << "), "
+     << t.math_warpgroups << " math warpgroups x " << t.m_blocks_per_warpgroup << " m-blocks, "
+     << t.stages << " stages x " << t.k_blocks_per_stage << " k-blocks, " << t.ctas_per_sm
+     << " CTAs/SM, " << kMainloop[static_cast<int>(t.mainloop)] << " mainloop, "
+     << kMma[static_cast<int>(t.mma)] << ", " << kEpilogue[static_cast<int>(t.epilogue)]
+     << " epilogue";
+  if (t.epilogue_warpgroups > 1) os << " (" << t.epilogue_warpgroups << " warpgroups)";
+  if (t.split_k) os << ", split-K";
+  return os << "}";
+}
+
+std::ostream& operator<<(std::ostream& os, TileId id) { return os << tile_config(id).name; }
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,91 @@
+// sm90_tile_policy.hpp: which shipped tile (kernels/sm90/sm90_tiles.hpp) a Hopper expert GEMM
+// launch runs. A pure function of the launch's shape, its row estimate and the SM count, so the
+// CPU tests check it for every shape and token count of targets.md (tests/cpp/test_tile_policy.cpp).
+// The launcher (sm90_gemm.cu) only adds what it knows at run time: the SM count and the
+// workspace it was given.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <string_view>
+
+#include "sm90/sm90_tiles.hpp"
+
+namespace megamoe::sm90 {
+
+std::ostream& operator<<(std::ostream& os, const TileConfig& tile);
+std::ostream& operator<<(std::ostream& os, TileId id);
+
+// What the caller asks of a launch: the policy (kAuto), the policy restricted to the serial
+// mainloop (kSerial: exact for every scale byte, slower), or one tile (kForced).
+struct TileRequest {
+  enum class Mode : uint8_t { kAuto, kSerial, kForced };
+  Mode mode = Mode::kAuto;
+  TileId tile = TileId::kSerial64x8;  // kForced only
+
+  static TileRequest automatic() { return {}; }
+  static TileRequest serial() { return {Mode::kSerial, TileId::kSerial64x8}; }
+  static TileRequest forced(TileId id) { return {Mode::kForced, id}; }
+  bool operator==(const TileRequest&) const = default;
+};
+// "auto", "serial" or a tile name of the table; throws kInvalidArgument listing the valid names.
+TileRequest parse_tile_request(std::string_view name);
+std::string to_string(const TileRequest& request);
+// Every name parse_tile_request accepts, comma-separated.
+std::string tile_request_names();
+
+// One GEMM launch as the policy sees it.
+struct TileQuery {
+  int64_t rows_hint = 0;      // estimated routed rows of the launch (0: max_rows)
+  int64_t max_rows = 0;       // capacity in rows
+  int num_experts = 0;        // E_l
+  int64_t m_rows = 0;         // weight rows per expert: 2I (L1) or H (L2)
+  int64_t k = 0;              // reduction: H (L1) or I (L2), a multiple of 64
+  int sm_count = 0;
+  bool small_scales = false;  // every weight scale byte < 128 (the overlapped tiles need it)
+  bool serial_only = false;   // TileRequest::Mode::kSerial
+  bool unit_counter = false;  // the decode tiles can take work units at run time
+  // Split-K is possible: k_splits left to the policy and a workspace of these capacities.
+  bool split_allowed = false;
+  int64_t split_counters_capacity = 0;
+  int64_t split_partial_floats = 0;
+};
+
+struct TileChoice {
+  TileId tile = TileId::kSerial64x8;
+  int k_splits = 1;
+  const char* reason = "";  // one line: the rule that chose it
+};
+
+TileChoice choose_tile(const TileQuery& q);
+
+// The classes of rows per expert that need different tiles: the 128 x 8 decode tile's, the
+// other decode tiles', the prefill tiles'. Their upper bounds (the last is open).
+constexpr int kRowClasses = 3;
+constexpr int64_t kDecode8MaxAvgRows = 4;
+constexpr int64_t kDecodeMaxAvgRows = 12;
+
+// Gated launches (GemmParams::gate_min_avg / gate_max_avg): where the most rows one expert can
+// get (rows_per_expert_max, e.g. T) falls in the prefill class while the estimate falls in a
+// decode class, one launch per class from the estimate's to the prefill one, each running only
+// if the actual rows per hit expert lie in its interval (the first open below, the last open
+// above), so exactly one of them runs. Launch i uses the policy's tile for `rows`.
+struct GatedLaunch {
+  int gate_min_avg = 0, gate_max_avg = 0;
+  int64_t rows = 0;
+};
+struct LaunchPlan {
+  GatedLaunch launch[kRowClasses];
+  int count = 0;
+};
+LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num_experts,
+                         int64_t max_rows);
+
+// Split-K workspace the policy may use on a device of `sm_count` SMs: tiles that can be split
+// (counters) and FP32 partials (at most one unit per CTA slot of the split tile).
+int64_t split_k_counters_for(int sm_count);
+int64_t split_k_partial_floats_for(int sm_count);
+constexpr int kMaxKSplits = 4;
+
+}  // namespace megamoe::sm90
