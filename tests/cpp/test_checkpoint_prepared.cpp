@@ -130,14 +130,14 @@ TEST(PreparedCheckpoint, BadRequestsFailBeforeWriting) {
   EXPECT_TRUE(throws_error([&] { write_prepared_checkpoint(ckpt, out, opts); }, ErrorCode::kInvalidArgument,
                            {"unknown backend 'tpu'"}));
   EXPECT_FALSE(std::filesystem::exists(out));
-  // A GPT-OSS-like H = 96 cannot take the blackwell-interop layout: refused before writing.
+  // Dims the layout refuses (sm90: H a multiple of 64): refused before writing.
   SafetensorsWriter w;
   add_moe_layer(w, "m", random_weights(2, 0, 96, 64, false, 1), ExpertConvention::kPerExpert);
   w.write(dir.file("odd.safetensors"));
-  opts.backend = "blackwell-interop";
+  opts.backend = "sm90";
   opts.ep_size = 1;
   EXPECT_TRUE(throws_error([&] { write_prepared_checkpoint(Checkpoint::open(dir.file("odd.safetensors")), out, opts); },
-                           ErrorCode::kUnsupported, {"H = 96"}));
+                           ErrorCode::kUnsupported, {"sm90 layout: hidden", "got 96"}));
   EXPECT_FALSE(std::filesystem::exists(out));
   // A plain checkpoint is not a prepared one.
   EXPECT_TRUE(throws_error([&] { load_prepared_layer(ckpt.files().front(), prefix_of(0)); }, ErrorCode::kFormat,
