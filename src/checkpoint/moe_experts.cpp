@@ -353,9 +353,6 @@ std::vector<MoeLayerInfo> find_moe_layers(const Checkpoint& ckpt) {
 
 namespace {
 
-MoeWeights load_moe_layer_unchecked(const Checkpoint& ckpt, const MoeLayerInfo& layer, int ep_rank,
-                                    int ep_size);
-
 // kFormat for the first NaN scale byte of the loaded rank, naming the checkpoint tensor it came
 // from, the global expert and its position there.
 void reject_nan_scales(const Checkpoint& ckpt, const MoeLayerInfo& layer, const MoeWeights& w) {
@@ -383,17 +380,6 @@ void reject_nan_scales(const Checkpoint& ckpt, const MoeLayerInfo& layer, const 
        ", row ", row, ", block ", block,
        ": every token routed to this expert would be NaN (LoadOptions::allow_nan_scales accepts it)");
 }
-
-}  // namespace
-
-MoeWeights load_moe_layer(const Checkpoint& ckpt, const MoeLayerInfo& layer, int ep_rank,
-                          int ep_size, const LoadOptions& options) {
-  MoeWeights w = load_moe_layer_unchecked(ckpt, layer, ep_rank, ep_size);
-  if (!options.allow_nan_scales) reject_nan_scales(ckpt, layer, w);
-  return w;
-}
-
-namespace {
 
 MoeWeights load_moe_layer_unchecked(const Checkpoint& ckpt, const MoeLayerInfo& layer, int ep_rank,
                                     int ep_size) {
@@ -480,6 +466,13 @@ MoeWeights load_moe_layer_unchecked(const Checkpoint& ckpt, const MoeLayerInfo& 
 }
 
 }  // namespace
+
+MoeWeights load_moe_layer(const Checkpoint& ckpt, const MoeLayerInfo& layer, int ep_rank,
+                          int ep_size, const LoadOptions& options) {
+  MoeWeights w = load_moe_layer_unchecked(ckpt, layer, ep_rank, ep_size);
+  if (!options.allow_nan_scales) reject_nan_scales(ckpt, layer, w);
+  return w;
+}
 
 void add_moe_layer(SafetensorsWriter& writer, std::string_view prefix, const MoeWeights& w,
                    ExpertConvention convention) {
