@@ -99,7 +99,14 @@ int run_inspect(const InspectArgs& args) {
                          {"matrices", nlohmann::json::array()}};
     for (const InspectMatrix& m : l.matrices) {
       nlohmann::json jm = {{"role", m.role}, {"weight", m.weight_desc}, {"scale", m.scale_desc}};
-      if (m.stats.rows > 0) jm["scale_stats"] = stats_json(m.stats);
+      if (m.stats.rows > 0) {
+        jm["scale_stats"] = stats_json(m.stats);
+        jm["sm90_gemm_path"] = m.first_serial.found() ? "serial" : "fast";
+        if (m.first_serial.found())
+          jm["sm90_serial_reason"] = {{"expert", m.first_serial.expert},
+                                      {"scale_byte", m.first_serial.byte}};
+        if (m.first_nan.found()) jm["first_nan_scale_expert"] = m.first_nan.expert;
+      }
       if (args.per_expert) {
         nlohmann::json pe = nlohmann::json::array();
         for (const ExpertScaleSummary& x : m.per_expert)

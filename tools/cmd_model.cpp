@@ -77,6 +77,7 @@ int run_model(const ModelCmdOptions& o) {
     j["problems"] = problems_path;
     j["backend"] = m.moe_backend();
     j["threads"] = num_threads();
+    j["fast_math"] = o.fast_math;
     j["config"] = {{"d_model", c.d_model}, {"layers", c.n_layers}, {"experts", c.num_experts},
                    {"top_k", c.top_k}, {"latent", c.latent_dim},
                    {"expert_intermediate", c.expert_intermediate}};
@@ -92,11 +93,11 @@ int run_model(const ModelCmdOptions& o) {
   } else {
     std::printf("megamoe model: %s\n", dir.c_str());
     std::printf("  model     d_model %lld, %lld layers, MoE E=%lld top-%lld on latent %lld, "
-                "I=%lld, SiTU; routed experts MXFP4 on backend %s, %d host threads\n",
+                "I=%lld, SiTU; routed experts MXFP4 on backend %s, fast_math %s, %d host threads\n",
                 static_cast<long long>(c.d_model), static_cast<long long>(c.n_layers),
                 static_cast<long long>(c.num_experts), static_cast<long long>(c.top_k),
                 static_cast<long long>(c.latent_dim), static_cast<long long>(c.expert_intermediate),
-                m.moe_backend().c_str(), num_threads());
+                m.moe_backend().c_str(), o.fast_math ? "on" : "off (exact)", num_threads());
     std::printf("  loaded    in %.2f s, warm-up %.2f s\n", load_s, warm_s);
     for (int64_t i = 0; i < std::min<int64_t>(o.show, r.total); ++i) {
       const auto& p = problems[static_cast<size_t>(i)];
@@ -129,7 +130,9 @@ CommandMain setup_model_command(CLI::App& app) {
   app.add_option("--batch", o->batch, "Problems decoded together")->capture_default_str();
   app.add_option("--show", o->show, "Problems printed with their answers")->capture_default_str();
   app.add_option("--threads", o->threads, "Host threads (0 = all cores)");
-  app.add_flag("--fast-math", o->fast_math, "Approximate exp/rcp in the expert activation");
+  app.add_flag("--fast-math", o->fast_math,
+               "fast_math on (the layer default: approximate exp/rcp in the expert activation); "
+               "default off, as the model was trained");
   app.add_option("--gate", o->gate, "Accuracy the run must reach")->capture_default_str();
   app.add_flag("--json", o->json, "Print one JSON object");
   return [o] { return run_model(*o); };

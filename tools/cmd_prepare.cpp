@@ -25,6 +25,7 @@ struct PrepareArgs {
   int64_t scratch_mib = kDefaultPrepareScratchBytes / kMiB;
   int fused_sm = 0;
   bool quiet = false;
+  bool allow_nan_scales = false;
 };
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / static_cast<double>(kMiB); }
@@ -38,6 +39,7 @@ int run_prepare(const PrepareArgs& args) {
   opts.ep_size = args.ep_size;
   opts.prefixes = args.layers;
   opts.prepare.scratch_bytes = args.scratch_mib * kMiB;
+  opts.load.allow_nan_scales = args.allow_nan_scales;
   ProgressBar bar("prepare", !args.quiet);
   opts.progress = [&](int64_t done, int64_t total) { bar.update(done, total); };
   const PreparedCheckpointReport r = write_prepared_checkpoint(ckpt, args.out, opts);
@@ -76,6 +78,8 @@ const Command kPrepare{
                      "bound of the preparation scratch (at least one expert)")
           ->capture_default_str();
       app.add_flag("--quiet", args->quiet, "no progress bar");
+      app.add_flag("--allow-nan-scales", args->allow_nan_scales,
+                   "accept UE8M0 scale bytes 0xFF (NaN): the tokens of those experts become NaN");
       return [args] { return run_prepare(*args); };
     }};
 

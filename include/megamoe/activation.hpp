@@ -92,13 +92,20 @@ MEGAMOE_HD float act_tanh(float x) {
 #endif
 }
 
+// The clamps of swiglu:clamp and swiglu_oai. NaN passes through (fminf/fmaxf would return the
+// limit, turning a NaN token into finite values); +-Inf clamps to the limit as min/max do.
+MEGAMOE_HD float act_min_keep_nan(float x, float hi) { return x > hi ? hi : x; }
+MEGAMOE_HD float act_clamp_keep_nan(float x, float lo, float hi) {
+  return x > hi ? hi : (x < lo ? lo : x);
+}
+
 MEGAMOE_HD float apply_activation(const Activation& act, float g, float u, bool fast_math) {
   switch (act.kind) {
     case ActivationKind::kSwiglu: {
       if (act.has_clamp) {
         const float lim = bf16_round(act.clamp);
-        g = fminf(g, lim);
-        u = fminf(fmaxf(u, -lim), lim);
+        g = act_min_keep_nan(g, lim);
+        u = act_clamp_keep_nan(u, -lim, lim);
       }
       return act_silu(g, fast_math) * u;
     }
@@ -109,8 +116,8 @@ MEGAMOE_HD float apply_activation(const Activation& act, float g, float u, bool 
     }
     case ActivationKind::kSwigluOai: {
       const float lim = bf16_round(act.clamp);
-      g = fminf(g, lim);
-      u = fminf(fmaxf(u, -lim), lim);
+      g = act_min_keep_nan(g, lim);
+      u = act_clamp_keep_nan(u, -lim, lim);
       return g * act_sigmoid(act.alpha * g, fast_math) * (u + 1.0f);
     }
   }

@@ -226,12 +226,19 @@ struct MoeLayerInfo {
 // the file, the tensor, and the expected and actual value.
 std::vector<MoeLayerInfo> find_moe_layers(const Checkpoint& checkpoint);
 
+struct LoadOptions {
+  // A UE8M0 scale byte 0xFF (NaN) makes every token routed to its expert NaN; loading rejects it
+  // (kFormat naming the tensor, the expert and the position) unless this is set.
+  bool allow_nan_scales = false;
+};
+
 // Loads one layer for EP rank `ep_rank` of `ep_size` (global experts [r*E_l, (r+1)*E_l),
 // E_l = E / R) into canonical MoeWeights on the host: gate rows first, GPT-OSS rows
 // de-interleaved (even rows gate, odd rows up; biases too). Only the rank's experts are read.
-// kInvalidArgument when R does not divide E or r is outside [0, R).
+// kInvalidArgument when R does not divide E or r is outside [0, R); kFormat for a NaN scale
+// byte (see LoadOptions).
 MoeWeights load_moe_layer(const Checkpoint& checkpoint, const MoeLayerInfo& layer, int ep_rank,
-                          int ep_size);
+                          int ep_size, const LoadOptions& options = {});
 
 // Tensor names of the per-expert convention: "{prefix}.experts.{e}.{matrix}.{suffix}".
 std::string per_expert_tensor_name(std::string_view prefix, int64_t expert,
@@ -284,6 +291,10 @@ struct InspectMatrix {
   std::string scale_desc;
   ScaleStats stats;          // over all experts (rows of this matrix only)
   std::vector<ExpertScaleSummary> per_expert;  // expert e's scale tensor (when stats were read)
+  // The first expert (global id) with a scale byte >= kSm90SerialScaleByte and its largest such
+  // byte (255 = NaN): the sm90 GEMM of this matrix then takes its serial tiles. Not found: fast.
+  ScaleByteHit first_serial;
+  ScaleByteHit first_nan;    // the first expert with a NaN byte (0xFF): loading rejects it
 };
 
 struct InspectLayer {
@@ -299,6 +310,9 @@ struct InspectOptions {
 
 std::vector<InspectLayer> inspect_checkpoint(const Checkpoint& checkpoint,
                                              const InspectOptions& options = {});
+// "fast path (every scale byte < 128)" or "serial path: scale byte 200 >= 128 in expert 3".
+std::string sm90_path_text(const InspectMatrix& matrix);
+
 // Human-readable report of the layers (what `megamoe inspect` prints); `per_expert` adds one
 // line per expert and matrix (min, max, largest row spread of its scale tensor).
 std::string format_inspect_report(const Checkpoint& checkpoint,

@@ -193,6 +193,7 @@ struct PreparedCheckpointOptions {
   int ep_size = 1;
   std::vector<std::string> prefixes;               // layers to write (empty: every MoE layer)
   PrepareOptions prepare;                          // scratch bound (its progress is not used)
+  LoadOptions load;                                // NaN scales are rejected unless allowed
   std::function<void(int64_t, int64_t)> progress;  // (bytes written, total bytes)
 };
 

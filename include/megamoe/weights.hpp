@@ -55,6 +55,34 @@ struct MoeWeights {
   MoeWeights to(Device device) const;
 };
 
+// ---------------------------------------------------------------------------------------------
+// Scale bytes that change what a layer computes or how fast
+// ---------------------------------------------------------------------------------------------
+// UE8M0 byte 0xFF is NaN: every token routed to that expert becomes NaN (checkpoint loading
+// rejects it unless told otherwise). The sm90 GEMMs' overlapped tiles need every scale byte of
+// a matrix below kSm90SerialScaleByte; one byte at or above it sends that GEMM (L1 for w13_sf,
+// L2 for w2_sf) of the whole layer to the slower serial tiles (kernels/layout/sm90_weight_layout.hpp).
+constexpr int kSm90SerialScaleByte = 128;
+
+// A scale byte found in a buffer of E_l experts: the local expert, the offset inside that
+// expert's part of the buffer, the byte. expert < 0 when none was found.
+struct ScaleByteHit {
+  int64_t expert = -1;
+  int64_t offset = -1;
+  int byte = 0;
+  bool found() const { return expert >= 0; }
+};
+
+// The first byte >= min_byte of `scales` (host memory, split into num_local_experts equal
+// expert-major parts, as in every layout megamoe prepares). kInvalidArgument for device buffers
+// or sizes not divisible by num_local_experts.
+ScaleByteHit find_scale_byte(const Buffer& scales, int64_t num_local_experts, int min_byte);
+
+// Which sm90 GEMM tiles a scale buffer gets: "fast path" when every byte is < 128, else
+// "serial path: scale byte 131 >= 128 in expert 5" (global expert id = first_expert + local).
+// Host-side, for logs and `megamoe inspect`; the layer decides on its device copy.
+std::string sm90_gemm_path(const Buffer& scales, int64_t num_local_experts, int64_t first_expert);
+
 // Synthetic MXFP4 weights for tests, benchmarks and the default CLI run: uniform random E2M1
 // codes and UE8M0 scales chosen so each expert's outputs have unit-order magnitude
 // (scales around 2^-round(log2(sqrt(K)))), with a small per-row spread. Deterministic in `seed`.

@@ -53,16 +53,18 @@ def _find_layer(checkpoint, layer):
         f"layer: no MoE layer {layer!r} in {checkpoint.path} (layers: {known})")
 
 
-def load_moe_layer(checkpoint, layer, ep_rank=0, ep_size=1):
+def load_moe_layer(checkpoint, layer, ep_rank=0, ep_size=1, allow_nan_scales=False):
     """Canonical host MoeWeights of one layer for EP rank `ep_rank` of `ep_size` (global experts
     [r*E_l, (r+1)*E_l)); only that rank's experts are read.
 
     checkpoint: a Checkpoint or a path; layer: a MoeLayerInfo, a layer index (int) or a prefix
-    (str). GPT-OSS gate/up rows are de-interleaved (gate rows first).
+    (str). GPT-OSS gate/up rows are de-interleaved (gate rows first). A UE8M0 scale byte 0xFF
+    (NaN) raises FormatError naming the tensor and the expert unless allow_nan_scales is True.
     """
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = Checkpoint.open(checkpoint)
-    return _C.load_moe_layer(checkpoint, _find_layer(checkpoint, layer), ep_rank, ep_size)
+    return _C.load_moe_layer(checkpoint, _find_layer(checkpoint, layer), ep_rank, ep_size,
+                             allow_nan_scales)
 
 
 def write_moe_checkpoint(path, layers, convention="kimi-k3"):

@@ -124,15 +124,18 @@ void register_checkpoint(nb::module_& m) {
 
   m.def(
       "load_moe_layer",
-      [](const CheckpointHandle& checkpoint, const MoeLayerInfo& layer, int ep_rank, int ep_size) {
+      [](const CheckpointHandle& checkpoint, const MoeLayerInfo& layer, int ep_rank, int ep_size,
+         bool allow_nan_scales) {
         MoeWeights w;
+        LoadOptions options;
+        options.allow_nan_scales = allow_nan_scales;
         without_gil([&] {
-          w = load_moe_layer(checkpoint.ckpt, layer, ep_rank, ep_size);
+          w = load_moe_layer(checkpoint.ckpt, layer, ep_rank, ep_size, options);
         });
         return new WeightsHolder(std::move(w));
       },
       nb::arg("checkpoint"), nb::arg("layer"), nb::arg("ep_rank") = 0, nb::arg("ep_size") = 1,
-      nb::rv_policy::take_ownership);
+      nb::arg("allow_nan_scales") = false, nb::rv_policy::take_ownership);
   m.def("write_moe_checkpoint", &write_moe_checkpoint, nb::arg("path"), nb::arg("layers"),
         nb::arg("convention"));
 

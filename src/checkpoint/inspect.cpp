@@ -88,6 +88,16 @@ ExpertScaleSummary summarize(const ScaleStats& s) {
   return {s.min, s.max, s.max_spread()};
 }
 
+// Adds expert e's statistics to the matrix, noting the first expert with a serial-path or NaN
+// scale byte (a NaN byte is >= 128 too).
+void add_expert(InspectMatrix& m, int64_t e, const ScaleStats& expert) {
+  m.per_expert.push_back(summarize(expert));
+  m.stats.merge(expert);
+  if (!m.first_serial.found() && (expert.max >= kSm90SerialScaleByte || expert.nan_values > 0))
+    m.first_serial = {e, -1, expert.nan_values > 0 ? kUe8m0NaN : expert.max};
+  if (!m.first_nan.found() && expert.nan_values > 0) m.first_nan = {e, -1, kUe8m0NaN};
+}
+
 InspectLayer inspect_layer(const Checkpoint& ckpt, const MoeLayerInfo& info, bool with_stats) {
   InspectLayer out;
   out.info = info;
@@ -115,8 +125,7 @@ InspectLayer inspect_layer(const Checkpoint& ckpt, const MoeLayerInfo& info, boo
                         ": unexpected size ", s.info->nbytes());
           ScaleStats expert;
           expert.add_rows(s.data(), rows[m], groups[m]);
-          im.per_expert.push_back(summarize(expert));
-          im.stats.merge(expert);
+          add_expert(im, e, expert);
         }
       }
       out.matrices.push_back(std::move(im));
@@ -146,12 +155,9 @@ InspectLayer inspect_layer(const Checkpoint& ckpt, const MoeLayerInfo& info, boo
       const uint8_t* p = gu_sf.data() + e * 2 * gate_sf;
       for (int64_t row = 0; row < 2 * I; ++row) (row % 2 == 0 ? eg : eu).add_rows(p + row * g1, 1, g1);
       ed.add_rows(dn_sf.data() + e * down_sf, H, g2);
-      gate.per_expert.push_back(summarize(eg));
-      up.per_expert.push_back(summarize(eu));
-      down.per_expert.push_back(summarize(ed));
-      gate.stats.merge(eg);
-      up.stats.merge(eu);
-      down.stats.merge(ed);
+      add_expert(gate, e, eg);
+      add_expert(up, e, eu);
+      add_expert(down, e, ed);
     }
   }
   out.matrices = {std::move(gate), std::move(up), std::move(down)};
@@ -159,6 +165,13 @@ InspectLayer inspect_layer(const Checkpoint& ckpt, const MoeLayerInfo& info, boo
 }
 
 }  // namespace
+
+std::string sm90_path_text(const InspectMatrix& m) {
+  if (!m.first_serial.found())
+    return detail::concat("fast path (every scale byte < ", kSm90SerialScaleByte, ")");
+  return detail::concat("serial path: scale byte ", m.first_serial.byte, " >= ",
+                        kSm90SerialScaleByte, " in expert ", m.first_serial.expert);
+}
 
 std::vector<InspectLayer> inspect_checkpoint(const Checkpoint& ckpt, const InspectOptions& options) {
   const std::vector<MoeLayerInfo> infos = find_moe_layers(ckpt);
@@ -198,7 +211,10 @@ std::string format_inspect_report(const Checkpoint& ckpt, const std::vector<Insp
       all_foldable &= s.fold_exact();
       os << "    scale exponent (UE8M0 byte - 127): min " << (s.min <= s.max ? s.min - kUe8m0Bias : 0)
          << ", max " << (s.min <= s.max ? s.max - kUe8m0Bias : 0);
-      if (s.nan_values > 0) os << ", NaN bytes " << s.nan_values;
+      if (s.nan_values > 0)
+        os << ", NaN bytes " << s.nan_values << " (first in expert " << m.first_nan.expert
+           << ": loading rejects them)";
+      os << "\n    sm90 GEMM: " << sm90_path_text(m);
       os << "\n    row spread (max - min inside a row) over " << s.rows << " rows: p50 "
          << s.spread_percentile(0.5) << ", p90 " << s.spread_percentile(0.9) << ", p99 "
          << s.spread_percentile(0.99) << ", max " << spread << "; rows with spread <= "

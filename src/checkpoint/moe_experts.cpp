@@ -351,8 +351,38 @@ std::vector<MoeLayerInfo> find_moe_layers(const Checkpoint& ckpt) {
   return layers;
 }
 
-MoeWeights load_moe_layer(const Checkpoint& ckpt, const MoeLayerInfo& layer, int ep_rank,
-                          int ep_size) {
+namespace {
+
+// kFormat for the first NaN scale byte of the loaded rank, naming the checkpoint tensor it came
+// from, the global expert and its position there.
+void reject_nan_scales(const Checkpoint& ckpt, const MoeLayerInfo& layer, const MoeWeights& w) {
+  const int64_t H = layer.hidden, I = layer.intermediate;
+  const int64_t l1_groups = H / kScaleBlock, l2_groups = I / kScaleBlock;
+  const ScaleByteHit l1 = find_scale_byte(w.w13_sf, w.num_local_experts, kUe8m0NaN);
+  const ScaleByteHit l2 = l1.found() ? ScaleByteHit{}
+                                     : find_scale_byte(w.w2_sf, w.num_local_experts, kUe8m0NaN);
+  if (!l1.found() && !l2.found()) return;
+  const ScaleByteHit& hit = l1.found() ? l1 : l2;
+  const int64_t e = w.first_expert + hit.expert;
+  const int64_t groups = l1.found() ? l1_groups : l2_groups;
+  int64_t row = hit.offset / groups;  // canonical row of the expert: w13 gate rows first
+  const int64_t block = hit.offset % groups;
+  std::string name;
+  if (layer.convention == ExpertConvention::kPerExpert) {
+    const char* m = l2.found() ? kMatrixNames[kW2] : (row < I ? kMatrixNames[kW1] : kMatrixNames[kW3]);
+    if (l1.found() && row >= I) row -= I;
+    name = per_expert_tensor_name(layer.prefix, e, m, kKindSuffixes[kScale]);
+  } else {
+    if (l1.found()) row = row < I ? kInterleave * row : kInterleave * (row - I) + 1;
+    name = fused_tensor_name(layer.prefix, kFusedSuffixes[l1.found() ? kGateUpScales : kDownScales]);
+  }
+  fail(ErrorCode::kFormat, where(ckpt.get(name)), ": UE8M0 scale byte 0xFF (NaN) in expert ", e,
+       ", row ", row, ", block ", block,
+       ": every token routed to this expert would be NaN (LoadOptions::allow_nan_scales accepts it)");
+}
+
+MoeWeights load_moe_layer_unchecked(const Checkpoint& ckpt, const MoeLayerInfo& layer, int ep_rank,
+                                    int ep_size) {
   const std::string lw = detail::concat(ckpt.path(), ": layer ", detail::quote_name(layer.prefix));
   MEGAMOE_CHECK_ARG(ep_size >= 1, lw, ": EP size must be >= 1, got ", ep_size);
   MEGAMOE_CHECK_ARG(ep_rank >= 0 && ep_rank < ep_size, lw, ": EP rank must be in [0, ", ep_size,
@@ -432,6 +462,15 @@ MoeWeights load_moe_layer(const Checkpoint& ckpt, const MoeLayerInfo& layer, int
     }
     std::memcpy(w.w2_bias.data(), fused(kDownBias, H * kBf16Bytes), E_l * H * kBf16Bytes);
   }
+  return w;
+}
+
+}  // namespace
+
+MoeWeights load_moe_layer(const Checkpoint& ckpt, const MoeLayerInfo& layer, int ep_rank,
+                          int ep_size, const LoadOptions& options) {
+  MoeWeights w = load_moe_layer_unchecked(ckpt, layer, ep_rank, ep_size);
+  if (!options.allow_nan_scales) reject_nan_scales(ckpt, layer, w);
   return w;
 }
 

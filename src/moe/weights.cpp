@@ -167,6 +167,28 @@ MoeWeights MoeWeights::to(Device device) const {
   return c;
 }
 
+ScaleByteHit find_scale_byte(const Buffer& scales, int64_t num_local_experts, int min_byte) {
+  MEGAMOE_CHECK_ARG(scales.empty() || scales.device().type == DeviceType::kCPU,
+                    "find_scale_byte: scales must be in host memory, got ",
+                    device_name(scales.device()));
+  MEGAMOE_CHECK_ARG(num_local_experts > 0 && scales.size() % num_local_experts == 0,
+                    "find_scale_byte: ", scales.size(), " bytes do not split into ",
+                    num_local_experts, " experts");
+  const auto* p = scales.as<const uint8_t>();
+  const int64_t per_expert = scales.size() / num_local_experts;
+  for (int64_t i = 0; i < scales.size(); ++i) {
+    if (p[i] >= min_byte) return {i / per_expert, i % per_expert, p[i]};
+  }
+  return {};
+}
+
+std::string sm90_gemm_path(const Buffer& scales, int64_t num_local_experts, int64_t first_expert) {
+  const ScaleByteHit hit = find_scale_byte(scales, num_local_experts, kSm90SerialScaleByte);
+  if (!hit.found()) return "fast path";
+  return detail::concat("serial path: scale byte ", hit.byte, " >= ", kSm90SerialScaleByte,
+                        " in expert ", first_expert + hit.expert);
+}
+
 MoeWeights synthetic_weights(const LayerConfig& config, uint64_t seed, bool with_bias) {
   config.validate();
   const int64_t el = config.num_local_experts();

@@ -9,6 +9,10 @@
 //   w13_bias rows interleaved like w13 (the kernel takes no bias; this keeps rows matched)
 //   w2_bias  unchanged
 //
+// Padding: rule 3 works on whole 128-row blocks, so the scale rows (N = 2I for L1, N = H for L2;
+// GPT-OSS has H = 2880) are padded to align(N, 128) with zero bytes, as rule 1 already pads K
+// to whole int32 of 4 groups. The inverse reads only the real rows back, so it stays exact.
+//
 // Every transform below is written as "prepared row p reads canonical row source_row(p)"; the
 // forward copies canonical -> prepared along that map and the inverse copies back along the
 // same map, so the two are exact inverses of each other by construction. The tests check both
@@ -90,11 +94,15 @@ void w13_bias_inverse(const uint8_t* src, uint8_t* dst, int64_t n, const ExpertD
 // ---------------------------------------------------------------------------------------------
 // Scales (w13_sf, w2_sf): rows permuted, then packed MN-major as int32 of 4 K-groups
 // ---------------------------------------------------------------------------------------------
-// Canonical expert: uint8 [N, G] (G = K/32). Prepared expert: int32 [ceil(G/4), align(N, 4)]
-// (i.e. the int32 tensor [N, ceil(G/4)] with strides (1, align(N, 4))); byte g % 4 of int32
-// (g / 4, p) holds group g of canonical row source_row(p). Padding bytes are zero.
+// Canonical expert: uint8 [N, G] (G = K/32). Prepared expert: int32 [ceil(G/4), align(Np, 4)]
+// with Np = align(N, 128) (i.e. the int32 tensor [Np, ceil(G/4)] with strides
+// (1, align(Np, 4))); byte g % 4 of int32 (g / 4, p) holds group g of canonical row
+// source_row(p). Padding bytes (groups >= G, rows whose source is >= N) are zero.
+int64_t padded_scale_rows(int64_t rows) { return align_up(rows, kUtccpBlockRows); }
+
 int64_t packed_scale_bytes(int64_t rows, int64_t groups) {
-  return ceil_div(groups, kGroupsPerPack) * align_up(rows, kMnAlignment) * kPackBytes;
+  return ceil_div(groups, kGroupsPerPack) * align_up(padded_scale_rows(rows), kMnAlignment) *
+         kPackBytes;
 }
 
 template <bool kForward, bool kInterleave>
@@ -102,13 +110,15 @@ void pack_scales(const uint8_t* src, uint8_t* dst, int64_t num_experts, int64_t 
                  int64_t groups, int64_t intermediate) {
   const int64_t canonical_bytes = rows * groups;
   const int64_t prepared_bytes = packed_scale_bytes(rows, groups);
-  const int64_t mn_stride = align_up(rows, kMnAlignment);
+  const int64_t padded_rows = padded_scale_rows(rows);
+  const int64_t mn_stride = align_up(padded_rows, kMnAlignment);
   for (int64_t e = 0; e < num_experts; ++e) {
     const uint8_t* s = src + e * (kForward ? canonical_bytes : prepared_bytes);
     uint8_t* d = dst + e * (kForward ? prepared_bytes : canonical_bytes);
     if (kForward) std::memset(d, 0, prepared_bytes);
-    for (int64_t p = 0; p < rows; ++p) {
+    for (int64_t p = 0; p < padded_rows; ++p) {
       const int64_t t = utccp_source_row(p);
+      if (t >= rows) continue;  // a padding row: zero bytes, nothing to read back
       const int64_t c = kInterleave ? interleaved_source_row(t, intermediate) : t;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t packed = ((g / kGroupsPerPack) * mn_stride + p) * kPackBytes + g % kGroupsPerPack;
@@ -138,18 +148,6 @@ void w2_sf_inverse(const uint8_t* src, uint8_t* dst, int64_t n, const ExpertDims
   pack_scales<false, false>(src, dst, n, d.hidden, d.intermediate / kScaleBlock, d.intermediate);
 }
 
-void check_blackwell_dims(const ExpertDims& d) {
-  // NOTES: the kernel copies scales to tensor memory 128 rows at a time (rule 3), and DeepGEMM's
-  // transform asserts mn % 128 == 0 for both L1 (N = 2I) and L2 (N = H).
-  MEGAMOE_CHECK(d.hidden % kUtccpBlockRows == 0, ErrorCode::kUnsupported,
-                "blackwell-interop: H = ", d.hidden, " must be a multiple of ", kUtccpBlockRows,
-                " (L2 scale rows are transposed in ", kUtccpBlockRows, "-row blocks)");
-  MEGAMOE_CHECK((2 * d.intermediate) % kUtccpBlockRows == 0, ErrorCode::kUnsupported,
-                "blackwell-interop: 2I = ", 2 * d.intermediate, " must be a multiple of ",
-                kUtccpBlockRows, " (L1 scale rows are transposed in ", kUtccpBlockRows,
-                "-row blocks)");
-}
-
 }  // namespace
 
 WeightLayout blackwell_interop_weight_layout() {
@@ -157,8 +155,10 @@ WeightLayout blackwell_interop_weight_layout() {
   layout.name = "blackwell-interop";
   layout.description =
       "DeepGEMM SM100 fp8_fp4_mega_moe (weights.md section 3): L1 rows interleaved by 8, scales "
-      "as MN-major int32 of 4 K-groups, transposed in 128-row blocks";
-  layout.check_dims = check_blackwell_dims;
+      "as MN-major int32 of 4 K-groups, transposed in 128-row blocks (rows padded to 128)";
+  // NOTES: DeepGEMM's transform asserts mn % 128 == 0 (the kernel copies scales to tensor
+  // memory 128 rows at a time); padding the scale rows serves any H, I (GPT-OSS: H = 2880).
+  layout.check_dims = nullptr;
   auto& b = layout.buffers;
   b[static_cast<int>(WeightBufferKind::kW13)] = {nullptr, w13_forward, w13_inverse, nullptr, nullptr};
   b[static_cast<int>(WeightBufferKind::kW13Sf)] = {w13_sf_bytes, w13_sf_forward, w13_sf_inverse,

@@ -200,7 +200,7 @@ PreparedCheckpointReport write_prepared_checkpoint(const Checkpoint& ckpt, const
     const auto& [layer, kind] = tensor_of.at(name);
     if (layer != current_layer) {
       current = MoeWeights();  // release before loading the next layer
-      current = load_moe_layer(ckpt, layers[layer], options.ep_rank, options.ep_size);
+      current = load_moe_layer(ckpt, layers[layer], options.ep_rank, options.ep_size, options.load);
       PrepareOptions popt = options.prepare;
       popt.progress = nullptr;
       const PrepareReport r = prepare(current, options.backend, popt);

@@ -100,6 +100,36 @@ TEST(Activation, SwigluOaiKnownAnswers) {
   EXPECT_NEAR(apply_activation(a, -3.0f, 0.0f, false), -3.0 / (1.0 + std::exp(1.702 * 3.0)), 1e-7);
 }
 
+// NaN in g or u must stay NaN through the clamps (fminf/fmaxf would return the limit: about -49
+// for swiglu:clamp=7 and -42 for swiglu_oai at (NaN, NaN)); +-Inf clamps to the limit as written.
+TEST(Activation, ClampsKeepNaNAndClampInf) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const Activation& a : {Activation::swiglu(), Activation::swiglu_clamped(7.0f),
+                              Activation::swiglu_clamped(0.0f), Activation::situ(),
+                              Activation::swiglu_oai()}) {
+    for (bool fast : {false, true}) {
+      SCOPED_TRACE(a.to_string() + (fast ? " fast_math" : " exact"));
+      EXPECT_TRUE(std::isnan(apply_activation(a, nan, nan, fast)));
+      EXPECT_TRUE(std::isnan(apply_activation(a, nan, 1.0f, fast)));
+      EXPECT_TRUE(std::isnan(apply_activation(a, 1.0f, nan, fast)));
+      EXPECT_TRUE(std::isnan(apply_activation(a, nan, -1.0f, fast)));
+      EXPECT_TRUE(std::isnan(apply_activation(a, -1.0f, nan, fast)));
+    }
+  }
+  for (const Activation& a : {Activation::swiglu_clamped(7.0f), Activation::swiglu_oai()}) {
+    SCOPED_TRACE(a.to_string());
+    EXPECT_EQ(apply_activation(a, inf, inf, false), apply_activation(a, 7.0f, 7.0f, false));
+    EXPECT_EQ(apply_activation(a, inf, -inf, false), apply_activation(a, 7.0f, -7.0f, false));
+    EXPECT_EQ(apply_activation(a, 2.0f, -inf, false), apply_activation(a, 2.0f, -7.0f, false));
+  }
+  EXPECT_EQ(act_min_keep_nan(-inf, 7.0f), -inf);
+  EXPECT_EQ(act_clamp_keep_nan(inf, -7.0f, 7.0f), 7.0f);
+  EXPECT_EQ(act_clamp_keep_nan(-inf, -7.0f, 7.0f), -7.0f);
+  EXPECT_TRUE(std::isnan(act_clamp_keep_nan(nan, -7.0f, 7.0f)));
+  EXPECT_TRUE(std::signbit(act_clamp_keep_nan(-0.0f, -0.0f, 0.0f)));
+}
+
 TEST(Activation, SiluIsGOverOnePlusExp) {
   // Exactly as written: g / (1 + exp(-g)). Large negative g gives -0 / +Inf -> -0, never NaN.
   EXPECT_EQ(act_silu(-200.0f, false), -0.0f);

@@ -261,6 +261,53 @@ TEST(CheckpointMoe, ShardedKimiCheckpointWithSeveralLayers) {
   }
 }
 
+// A UE8M0 NaN byte (0xFF) poisons every token of its expert: loading rejects it, naming the
+// checkpoint tensor, the global expert and the position there, unless allow_nan_scales is set.
+// Only the loaded rank's experts are checked.
+TEST(CheckpointMoe, NanScalesAreRejectedAtLoadNamingTensorAndExpert) {
+  TempDir dir;
+  constexpr int64_t kNanExpert = 5, kRow = 2, kBlock = 1;
+  constexpr int64_t kL1Groups = kH / kScaleBlock, kL2Groups = kI / kScaleBlock;
+  struct Case {
+    const char* what;
+    bool up;          // true: up row kRow of w13 (canonical row I + kRow); false: w2 row kRow
+    ExpertConvention convention;
+    std::vector<std::string> parts;
+  };
+  const Case cases[] = {
+      {"kimi up", true, ExpertConvention::kPerExpert,
+       {"experts.5.w3.weight_scale'", "scale byte 0xFF (NaN) in expert 5, row 2, block 1",
+        "allow_nan_scales"}},
+      {"kimi down", false, ExpertConvention::kPerExpert,
+       {"experts.5.w2.weight_scale'", "expert 5, row 2, block 1"}},
+      {"gpt-oss up (odd interleaved row)", true, ExpertConvention::kFused,
+       {"experts.gate_up_proj_scales'", "expert 5, row 5, block 1"}},
+      {"gpt-oss down", false, ExpertConvention::kFused,
+       {"experts.down_proj_scales'", "expert 5, row 2, block 1"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const bool fused = c.convention == ExpertConvention::kFused;
+    MoeWeights w = random_weights(kE, 0, kH, kI, fused, 17);
+    if (c.up) {
+      w.w13_sf.as<uint8_t>()[(kNanExpert * 2 * kI + kI + kRow) * kL1Groups + kBlock] = kUe8m0NaN;
+    } else {
+      w.w2_sf.as<uint8_t>()[(kNanExpert * kH + kRow) * kL2Groups + kBlock] = kUe8m0NaN;
+    }
+    const Checkpoint ckpt = Checkpoint::open(write_checkpoint(
+        dir, fused ? "g.safetensors" : "k.safetensors", fused ? kGptPrefix : kKimiPrefix, w,
+        c.convention));
+    const MoeLayerInfo layer = find_moe_layers(ckpt).at(0);
+    EXPECT_TRUE(throws_error([&] { load_moe_layer(ckpt, layer, 0, 1); }, ErrorCode::kFormat, c.parts));
+    EXPECT_TRUE(throws_error([&] { load_moe_layer(ckpt, layer, 1, 2); }, ErrorCode::kFormat, c.parts))
+        << "rank 1 of 2 holds expert 5";
+    EXPECT_NO_THROW(load_moe_layer(ckpt, layer, 0, 2)) << "rank 0 of 2 does not hold expert 5";
+    LoadOptions allow;
+    allow.allow_nan_scales = true;
+    EXPECT_TRUE(weights_equal(load_moe_layer(ckpt, layer, 0, 1, allow), w));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Through the CPU layer
 // ---------------------------------------------------------------------------------------------

@@ -130,14 +130,14 @@ TEST(PreparedCheckpoint, BadRequestsFailBeforeWriting) {
   EXPECT_TRUE(throws_error([&] { write_prepared_checkpoint(ckpt, out, opts); }, ErrorCode::kInvalidArgument,
                            {"unknown backend 'tpu'"}));
   EXPECT_FALSE(std::filesystem::exists(out));
-  // A GPT-OSS-like H = 96 cannot take the blackwell-interop layout: refused before writing.
+  // Dims the layout refuses (sm90: H a multiple of 64): refused before writing.
   SafetensorsWriter w;
   add_moe_layer(w, "m", random_weights(2, 0, 96, 64, false, 1), ExpertConvention::kPerExpert);
   w.write(dir.file("odd.safetensors"));
-  opts.backend = "blackwell-interop";
+  opts.backend = "sm90";
   opts.ep_size = 1;
   EXPECT_TRUE(throws_error([&] { write_prepared_checkpoint(Checkpoint::open(dir.file("odd.safetensors")), out, opts); },
-                           ErrorCode::kUnsupported, {"H = 96"}));
+                           ErrorCode::kUnsupported, {"sm90 layout: hidden", "got 96"}));
   EXPECT_FALSE(std::filesystem::exists(out));
   // A plain checkpoint is not a prepared one.
   EXPECT_TRUE(throws_error([&] { load_prepared_layer(ckpt.files().front(), prefix_of(0)); }, ErrorCode::kFormat,
@@ -264,6 +264,46 @@ TEST(Inspect, ReportNamesLayersShapesAndFoldVerdict) {
   EXPECT_EQ(inspect_checkpoint(ckpt, no_stats)[0].matrices[0].stats.rows, 0);
 }
 
+// Per tensor: whether the sm90 GEMM of its matrix can take the fast (overlapped) tiles, i.e.
+// every scale byte < 128, or which expert sends it to the serial ones; NaN bytes are named.
+TEST(Inspect, ReportsTheSm90GemmPathPerTensor) {
+  TempDir dir;
+  MoeWeights w = random_weights(4, 0, 128, 64, false, 5, 120, 124);
+  EXPECT_EQ(sm90_gemm_path(w.w13_sf, 4, 0), "fast path");
+  // Expert 3's up (w3) rows get a byte 130; expert 1's down rows a NaN byte (and a 140 after it).
+  w.w13_sf.as<uint8_t>()[(3 * 128 + 64 + 9) * 4 + 2] = 130;
+  w.w2_sf.as<uint8_t>()[(1 * 128 + 4) * 2 + 1] = kUe8m0NaN;
+  w.w2_sf.as<uint8_t>()[(2 * 128 + 4) * 2 + 1] = 140;
+  const ScaleByteHit hit = find_scale_byte(w.w13_sf, 4, kSm90SerialScaleByte);
+  EXPECT_EQ(hit.expert, 3);
+  EXPECT_EQ(hit.offset, (64 + 9) * 4 + 2);
+  EXPECT_EQ(hit.byte, 130);
+  EXPECT_EQ(sm90_gemm_path(w.w13_sf, 4, 8), "serial path: scale byte 130 >= 128 in expert 11");
+  EXPECT_EQ(sm90_gemm_path(w.w2_sf, 4, 0), "serial path: scale byte 255 >= 128 in expert 1");
+  EXPECT_FALSE(find_scale_byte(w.w13_sf, 4, kUe8m0NaN).found());
+
+  SafetensorsWriter writer;
+  add_moe_layer(writer, prefix_of(2), w, ExpertConvention::kPerExpert);
+  writer.write(dir.file("k.safetensors"));
+  const Checkpoint ckpt = Checkpoint::open(dir.file("k.safetensors"));
+  const auto layers = inspect_checkpoint(ckpt);
+  ASSERT_EQ(layers.at(0).matrices.size(), 3u);
+  const auto& m = layers[0].matrices;
+  EXPECT_FALSE(m[0].first_serial.found());
+  EXPECT_EQ(m[1].first_serial.expert, 3);
+  EXPECT_EQ(m[1].first_serial.byte, 130);
+  EXPECT_EQ(m[2].first_serial.expert, 1);
+  EXPECT_EQ(m[2].first_nan.expert, 1);
+  EXPECT_EQ(sm90_path_text(m[0]), "fast path (every scale byte < 128)");
+  EXPECT_EQ(sm90_path_text(m[1]), "serial path: scale byte 130 >= 128 in expert 3");
+  const std::string text = format_inspect_report(ckpt, layers);
+  for (const char* part : {"sm90 GEMM: fast path (every scale byte < 128)",
+                           "sm90 GEMM: serial path: scale byte 130 >= 128 in expert 3",
+                           "sm90 GEMM: serial path: scale byte 255 >= 128 in expert 1",
+                           "NaN bytes 1 (first in expert 1: loading rejects them)"})
+    EXPECT_NE(text.find(part), std::string::npos) << part << " missing in:\n" << text;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The commands
 // ---------------------------------------------------------------------------------------------
@@ -288,6 +328,7 @@ TEST_F(CheckpointCli, InspectAndPrepare) {
   const auto j = nlohmann::json::parse(r.output);
   EXPECT_EQ(j["layers"].size(), 2u);
   EXPECT_EQ(j["layers"][0]["matrices"][2]["scale_stats"]["rows"], kE * kH);
+  EXPECT_EQ(j["layers"][0]["matrices"][2]["sm90_gemm_path"], "fast");
 
   const std::string out = dir.file("rank1.safetensors");
   r = run_cli("prepare " + kimi + " --backend blackwell-interop --ep-rank 1 --ep-size 4 -o " + out);
@@ -306,6 +347,29 @@ TEST_F(CheckpointCli, InspectAndPrepare) {
   r = run_cli("prepare " + kimi + " --ep-size 3 -o " + dir.file("x.safetensors"));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("not divisible by EP size 3"), std::string::npos) << r.output;
+  // A NaN scale byte: prepare refuses it unless --allow-nan-scales; inspect names the expert.
+  {
+    MoeWeights w = random_weights(kE, 0, kH, kI, false, 9);
+    w.w2_sf.as<uint8_t>()[6 * kH * (kI / kScaleBlock) + 3] = kUe8m0NaN;
+    SafetensorsWriter writer;
+    add_moe_layer(writer, prefix_of(0), w, ExpertConvention::kPerExpert);
+    const std::string nan_ckpt = dir.file("nan.safetensors");
+    writer.write(nan_ckpt);
+    const std::string nan_out = dir.file("nan_prepared.safetensors");
+    r = run_cli("prepare " + nan_ckpt + " -o " + nan_out);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("experts.6.w2.weight_scale': UE8M0 scale byte 0xFF (NaN) in expert 6"),
+              std::string::npos) << r.output;
+    EXPECT_FALSE(std::filesystem::exists(nan_out));
+    r = run_cli("prepare " + nan_ckpt + " --allow-nan-scales -o " + nan_out);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    r = run_cli("inspect " + nan_ckpt);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("NaN bytes 1 (first in expert 6: loading rejects them)"),
+              std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("serial path: scale byte 255 >= 128 in expert 6"), std::string::npos)
+        << r.output;
+  }
   const std::string bad = dir.file("bad.safetensors");
   testing_ckpt::write_bytes(bad, {1, 2, 3});
   r = run_cli("inspect " + bad);

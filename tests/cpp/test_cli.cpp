@@ -46,6 +46,22 @@ TEST_F(ModelCli, RunWithoutOptionsAnswersProblemsAndPassesTheGate) {
     EXPECT_NE(r.output.find(fragment), std::string::npos) << "missing '" << fragment << "' in:\n" << r.output;
 }
 
+// The gate runs in both math modes (ModelGate.* on the CPU): the command takes the mode as a flag
+// and reports it.
+TEST_F(ModelCli, FastMathFlagIsTakenAndReported) {
+  for (bool fast : {false, true}) {
+    const CliResult r = run_cli(std::string("model --backend cpu --limit 2 --batch 2 --gate 0 --json") +
+                                (fast ? " --fast-math" : ""));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["fast_math"], fast);
+    EXPECT_EQ(j["total"], 2);
+  }
+  const CliResult r = run_cli("model --backend cpu --limit 2 --batch 2 --gate 0 --show 0 --fast-math");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("fast_math on"), std::string::npos) << r.output;
+}
+
 TEST_F(Cli, JsonRunWithOptions) {
   const CliResult r = run_cli(
       "run --json --tokens 24 --activation situ:beta=3,linear_beta=20 --exact --routing skewed "

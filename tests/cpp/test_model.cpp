@@ -1,19 +1,28 @@
 // The end-to-end gate (issue 7): the example model examples/kimi_mini, loaded through the normal
 // checkpoint -> canonical weights -> MoeLayer path, answers the 200 held-out problems with
-// accuracy >= 0.95; its answers equal the PyTorch model's (the training script's evaluation of
-// the same MXFP4 weights); and corrupting one expert's scales makes the gate fail.
+// accuracy >= 0.95 with fast_math off (as trained) and on (the layer default); its answers equal
+// the PyTorch model's (the training script's evaluation of the same MXFP4 weights); corrupting
+// one expert's scales makes the gate fail; and a missing or broken checkpoint fails the gate
+// tests (it must never read as "skipped").
 #include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "megamoe/checkpoint.hpp"
 #include "megamoe/error.hpp"
+#include "megamoe/formats.hpp"
 #include "megamoe/layer.hpp"
 #include "megamoe/model.hpp"
 #include "test_util.hpp"
@@ -29,6 +38,14 @@ constexpr int64_t kHeldoutSize = 200;
 constexpr double kParityGate = 0.95;   // C++ answers identical to PyTorch's on >= 95%
 constexpr int kScaleCorruption = 4;    // UE8M0 bytes shifted by up to +-4: weights x 2^-4..2^4
 constexpr int64_t kCorruptBatch = 50;  // the corrupted run stops once the gate cannot pass
+// The gate tests read the model from here when it is set (ModelGateSelfTest points it at broken
+// copies of the checkpoint).
+constexpr const char* kGateModelDirEnv = "MEGAMOE_TEST_GATE_MODEL_DIR";
+
+std::string gate_model_dir() {
+  const char* dir = std::getenv(kGateModelDirEnv);
+  return dir != nullptr && *dir != '\0' ? std::string(dir) : kModelDir;
+}
 
 using megamoe::test::expect_error;
 
@@ -92,41 +109,68 @@ TEST(ModelTask, MissingModelIsAnError) {
 // ---------------------------------------------------------------------------------------------
 // The gate on the committed checkpoint
 // ---------------------------------------------------------------------------------------------
+// NOTES: the model is loaded by the first test's SetUp, not in SetUpTestSuite: a failure there
+// marks the suite SKIPPED with this GoogleTest, and ctest counts a skip as a pass. In SetUp a
+// missing or broken checkpoint fails every gate test.
 class ModelGate : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    ASSERT_TRUE(fs::exists(kModelDir + "/model.safetensors"))
-        << "no trained checkpoint in " << kModelDir
-        << ": train it with examples/kimi_mini/train_on_device.sh (README there)";
-    model_ = new KimiMiniModel(KimiMiniModel::load(kModelDir, cpu_options()));
-    problems_ = new std::vector<Problem>(load_problems(kHeldout));
+  void SetUp() override {
+    if (!load_attempted_) {
+      load_attempted_ = true;
+      try {
+        load();
+      } catch (const std::exception& e) {
+        load_error_ = e.what();
+      }
+    }
+    ASSERT_TRUE(load_error_.empty()) << "the gate cannot run: " << load_error_;
+  }
+  static void load() {
+    const std::string dir = gate_model_dir();
+    MEGAMOE_CHECK(fs::exists(dir + "/model.safetensors"), ErrorCode::kIo,
+                  "no trained checkpoint in ", dir,
+                  ": train it with examples/kimi_mini/train_on_device.sh (README there)");
+    model_ = new KimiMiniModel(KimiMiniModel::load(dir, cpu_options(false)));
+    problems_ = new std::vector<Problem>(load_problems(dir + "/heldout.jsonl"));
+  }
+  // The exact run, once per process (the fast_math test, alone in its process under ctest,
+  // does not need it).
+  static void evaluate_exact() {
+    if (report_ != nullptr) return;
     model_->reset_expert_usage();
     report_ = new EvalReport(evaluate(*model_, *problems_));
   }
   static void TearDownTestSuite() {
+    delete fast_report_;
     delete report_;
     delete problems_;
     delete model_;
+    fast_report_ = nullptr;
     report_ = nullptr;
     problems_ = nullptr;
     model_ = nullptr;
   }
-  static ModelOptions cpu_options() {
+  static ModelOptions cpu_options(bool fast_math) {
     ModelOptions o;
     o.backend = "cpu";
+    o.fast_math = fast_math;
     return o;
   }
-  static KimiMiniModel* model_;
+  static inline bool load_attempted_ = false;
+  static inline std::string load_error_;
+  static KimiMiniModel* model_;            // fast_math off (ModelOptions' default, as trained)
   static std::vector<Problem>* problems_;
   static EvalReport* report_;
+  static EvalReport* fast_report_;         // fast_math on, evaluated by its own test
 };
 
 KimiMiniModel* ModelGate::model_ = nullptr;
 std::vector<Problem>* ModelGate::problems_ = nullptr;
 EvalReport* ModelGate::report_ = nullptr;
+EvalReport* ModelGate::fast_report_ = nullptr;
 
 TEST_F(ModelGate, HeldoutAccuracyAtLeastGate) {
-  ASSERT_NE(report_, nullptr);
+  evaluate_exact();
   ASSERT_EQ(report_->total, kHeldoutSize);
   std::printf("kimi_mini (MXFP4 experts, cpu backend): %lld / %lld correct = %.3f in %.1f s\n",
               static_cast<long long>(report_->correct), static_cast<long long>(report_->total),
@@ -141,11 +185,30 @@ TEST_F(ModelGate, HeldoutAccuracyAtLeastGate) {
   EXPECT_GE(report_->accuracy, kAccuracyGate);
 }
 
+// The layer's default math (fast_math: __expf-style exp, approximate reciprocal) must pass the
+// same gate; its answers are compared with the exact run's.
+TEST_F(ModelGate, HeldoutAccuracyAtLeastGateWithFastMath) {
+  KimiMiniModel fast = KimiMiniModel::load(gate_model_dir(), cpu_options(true));
+  fast_report_ = new EvalReport(evaluate(fast, *problems_));
+  const EvalReport& r = *fast_report_;
+  ASSERT_EQ(r.total, kHeldoutSize);
+  std::printf("kimi_mini (MXFP4 experts, cpu backend, fast_math on): %lld / %lld correct = %.3f "
+              "in %.1f s\n", static_cast<long long>(r.correct), static_cast<long long>(r.total),
+              r.accuracy, r.seconds);
+  if (report_ != nullptr) {  // the exact run of this process, when another test made it
+    int64_t same = 0;
+    for (int64_t i = 0; i < r.total; ++i) same += r.answers[i] == report_->answers[i];
+    std::printf("  answers identical to fast_math off on %lld / %lld\n",
+                static_cast<long long>(same), static_cast<long long>(r.total));
+  }
+  EXPECT_GE(r.accuracy, kAccuracyGate);
+}
+
 // The training script evaluated the same MXFP4 weights in PyTorch (fake quantization that
 // follows numerics.md) and saved every greedy answer: megamoe's serving path must agree.
 TEST_F(ModelGate, AnswersMatchTheTrainingScriptsEvaluation) {
-  ASSERT_NE(report_, nullptr);
-  const std::string log_path = kModelDir + "/train_log.json";
+  evaluate_exact();
+  const std::string log_path = gate_model_dir() + "/train_log.json";
   std::ifstream f(log_path);
   ASSERT_TRUE(f.good()) << log_path;
   const auto log = nlohmann::json::parse(f);
@@ -175,7 +238,7 @@ TEST_F(ModelGate, AnswersMatchTheTrainingScriptsEvaluation) {
 // (accuracy already below the gate) the same corruption must still change the served answers on
 // more problems than the parity test tolerates.
 TEST_F(ModelGate, CorruptingOneExpertsScalesFailsTheGate) {
-  ASSERT_NE(report_, nullptr);
+  evaluate_exact();
   const ExpertUsage& usage = model_->expert_usage();
   int64_t best_layer = 0, best_expert = 0;
   for (int64_t l = 0; l < usage.num_layers; ++l)
@@ -186,7 +249,7 @@ TEST_F(ModelGate, CorruptingOneExpertsScalesFailsTheGate) {
       }
   ASSERT_GT(usage.at(best_layer, best_expert), 0);
 
-  ModelOptions o = cpu_options();
+  ModelOptions o = cpu_options(false);
   int64_t corrupted_bytes = 0;
   o.weights_hook = [&](int64_t layer, MoeWeights& w) {
     if (layer != best_layer) return;
@@ -206,7 +269,7 @@ TEST_F(ModelGate, CorruptingOneExpertsScalesFailsTheGate) {
     corrupt(b, sf2);
     corrupted_bytes = sf13 + sf2;
   };
-  KimiMiniModel corrupted = KimiMiniModel::load(kModelDir, o);
+  KimiMiniModel corrupted = KimiMiniModel::load(gate_model_dir(), o);
   ASSERT_GT(corrupted_bytes, 0);
   EvalOptions eo;
   eo.batch = kCorruptBatch;
@@ -223,6 +286,76 @@ TEST_F(ModelGate, CorruptingOneExpertsScalesFailsTheGate) {
               static_cast<long long>(wrong), static_cast<long long>(bad.total), best_possible,
               report_->accuracy);
   EXPECT_LT(best_possible, kAccuracyGate);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gate fails (never skips) on a missing or broken checkpoint
+// ---------------------------------------------------------------------------------------------
+// Runs this test program's ModelGate tests on copies of the example model with the checkpoint
+// removed, truncated, or with one NaN scale byte (rejected by the loader), and expects every
+// gate test to FAIL: exit status non-zero, each test listed as failed, none skipped.
+TEST(ModelGateSelfTest, BrokenCheckpointsFailTheGateInsteadOfSkipping) {
+  ASSERT_TRUE(fs::exists(kModelDir + "/model.safetensors"));
+  const fs::path root = fs::temp_directory_path() / ("megamoe_gate_selftest_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  const std::string source = kModelDir + "/model.safetensors";
+  struct Case {
+    const char* name;
+    std::function<void(const fs::path&)> make_checkpoint;  // writes (or not) DIR/model.safetensors
+  };
+  const Case cases[] = {
+      {"missing", [](const fs::path&) {}},
+      {"truncated",
+       [&](const fs::path& dir) {
+         fs::copy_file(source, dir / "model.safetensors");
+         fs::resize_file(dir / "model.safetensors", fs::file_size(source) / 2);
+       }},
+      {"nan_scale",
+       [&](const fs::path& dir) {
+         const fs::path out = dir / "model.safetensors";
+         fs::copy_file(source, out);
+         const SafetensorsFile f = SafetensorsFile::open(source);
+         const TensorInfo* scale = nullptr;
+         for (const TensorInfo& t : f.tensors())
+           if (t.name.find(".experts.") != std::string::npos &&
+               t.name.find("weight_scale") != std::string::npos) {
+             scale = &t;
+             break;
+           }
+         ASSERT_NE(scale, nullptr) << "no expert scale tensor in " << source;
+         std::fstream io(out, std::ios::in | std::ios::out | std::ios::binary);
+         io.seekp(f.data_offset() + scale->data_begin);
+         io.put(static_cast<char>(kUe8m0NaN));
+         ASSERT_TRUE(io.good());
+       }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const fs::path dir = root / c.name;
+    fs::create_directories(dir);
+    for (const auto& entry : fs::directory_iterator(kModelDir))
+      if (entry.is_regular_file() && entry.path().filename() != "model.safetensors")
+        fs::copy_file(entry.path(), dir / entry.path().filename());
+    c.make_checkpoint(dir);
+    const std::string cmd = std::string(kGateModelDirEnv) + "='" + dir.string() + "' '" +
+                            fs::read_symlink("/proc/self/exe").string() +
+                            "' --gtest_filter='ModelGate.*' 2>&1";
+    std::string output;
+    FILE* pipe = ::popen(cmd.c_str(), "r");
+    ASSERT_NE(pipe, nullptr) << cmd;
+    char buf[4096];
+    for (size_t n; (n = std::fread(buf, 1, sizeof buf, pipe)) > 0;) output.append(buf, n);
+    const int status = ::pclose(pipe);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << "status " << status << "\n" << output;
+    EXPECT_EQ(output.find("[  SKIPPED ]"), std::string::npos) << output;
+    for (const char* test : {"HeldoutAccuracyAtLeastGate", "HeldoutAccuracyAtLeastGateWithFastMath",
+                             "AnswersMatchTheTrainingScriptsEvaluation",
+                             "CorruptingOneExpertsScalesFailsTheGate"})
+      EXPECT_NE(output.find(std::string("[  FAILED  ] ModelGate.") + test), std::string::npos)
+          << test << " did not fail:\n" << output;
+    EXPECT_NE(output.find("the gate cannot run"), std::string::npos) << output;
+  }
+  fs::remove_all(root);
 }
 
 }  // namespace

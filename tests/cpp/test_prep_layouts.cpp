@@ -42,11 +42,13 @@ int64_t spec_transposed_row(int64_t row) {
   return base + 4 * b + a;
 }
 
-// Rule 1: per expert, int32 [N, ceil(G/4)] with strides (1, align(N, 4)) holding 4 UE8M0 bytes,
-// group 4j in the low byte; `row_map` = rules 2/3 composed. Returned as little-endian bytes.
+// Rule 1: per expert, int32 [Np, ceil(G/4)] with strides (1, align(Np, 4)) holding 4 UE8M0
+// bytes, group 4j in the low byte; `row_map` = rules 2/3 composed. Np = N rounded up to whole
+// 128-row blocks of rule 3 (GPT-OSS H = 2880), the extra rows zero. Little-endian bytes.
 std::vector<uint8_t> spec_scales(const uint8_t* sf, int64_t experts, int64_t N, int64_t G,
                                  const std::function<int64_t(int64_t)>& row_map) {
-  const int64_t packs = (G + 3) / 4, stride_n = (N + 3) / 4 * 4;
+  const int64_t padded_n = (N + 127) / 128 * 128;
+  const int64_t packs = (G + 3) / 4, stride_n = (padded_n + 3) / 4 * 4;
   std::vector<uint32_t> words(static_cast<size_t>(experts * packs * stride_n), 0u);
   for (int64_t e = 0; e < experts; ++e) {
     for (int64_t n = 0; n < N; ++n) {
@@ -87,9 +89,11 @@ std::vector<uint8_t> spec_rows(const uint8_t* src, int64_t experts, int64_t rows
   return ::testing::AssertionSuccess();
 }
 
+// kDims and dims that are not whole 128-row blocks: GPT-OSS (H = I = 2880), H = 96, 2I = 192.
 TEST(PrepLayouts, BlackwellInteropMatchesTheSpecFormula) {
-  for (const Dims& d : kDims) {
-    if (d.hidden % 128 != 0 || (2 * d.intermediate) % 128 != 0) continue;
+  std::vector<Dims> dims(std::begin(kDims), std::end(kDims));
+  dims.insert(dims.end(), {{1, 2880, 2880, true}, {3, 96, 64, false}, {2, 160, 96, true}});
+  for (const Dims& d : dims) {
     SCOPED_TRACE(testing::Message() << "E " << d.experts << " H " << d.hidden << " I " << d.intermediate);
     const int64_t H = d.hidden, I = d.intermediate, E = d.experts;
     MoeWeights w = random_weights(E, 0, H, I, d.bias, 77, 0, 255);
@@ -107,9 +111,41 @@ TEST(PrepLayouts, BlackwellInteropMatchesTheSpecFormula) {
       EXPECT_TRUE(bytes_equal(w.w13_bias, spec_rows(c.w13_bias.as<uint8_t>(), E, 2 * I, 2, l1_rows), "w13_bias"));
       EXPECT_TRUE(testing_ckpt::buffers_equal(w.w2_bias, c.w2_bias));
     }
-    // Sizes: int32 [E, N, ceil(K/128)] with an MN stride of align(N, 4).
-    EXPECT_EQ(w.w2_sf.size(), E * ((I / 32 + 3) / 4) * 4 * H);
+    // Sizes: int32 [E, Np, ceil(K/128)] with an MN stride of align(Np, 4), Np = align(N, 128).
+    EXPECT_EQ(w.w2_sf.size(), E * ((I / 32 + 3) / 4) * 4 * ((H + 127) / 128 * 128));
+    // The exact inverse drops the padding.
+    unprepare(w);
+    EXPECT_TRUE(weights_equal(w, c));
   }
+}
+
+// GPT-OSS (H = 2880) used to be refused; its prepared scales hold zero padding rows, the
+// preparation goes through a prepared file and back bit for bit, and the fused path takes it.
+TEST(PrepLayouts, BlackwellInteropPadsGptOssScaleRows) {
+  const int64_t E = 2, H = 2880, I = 2880, Hp = 2944;  // 2944 = 23 blocks of 128 rows
+  MoeWeights w = random_weights(E, 0, H, I, true, 29, 1, 254);
+  const MoeWeights c = clone(w);
+  const PrepareReport r = prepare_for_fused(w, 100);
+  EXPECT_EQ(w.layout, "blackwell-interop");
+  EXPECT_FALSE(r.no_op);
+  const int64_t packs = (I / 32 + 3) / 4;  // 23 int32 per row: 90 groups + 2 zero bytes
+  ASSERT_EQ(w.w2_sf.size(), E * packs * Hp * 4);
+  // Prepared row p reads canonical row 32 (p % 4) + p / 4 of its block: rows whose source is
+  // >= H (the last block holds 64 real rows) are zero in every pack.
+  const auto* sf = w.w2_sf.as<uint8_t>();
+  int64_t padding_rows = 0;
+  for (int64_t p = 0; p < Hp; ++p) {
+    const int64_t source = p / 128 * 128 + 32 * (p % 4) + (p % 128) / 4;
+    if (source < H) continue;
+    ++padding_rows;
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t j = 0; j < packs; ++j)
+        for (int b = 0; b < 4; ++b)
+          ASSERT_EQ(sf[((e * packs + j) * Hp + p) * 4 + b], 0) << "row " << p << " pack " << j;
+  }
+  EXPECT_EQ(padding_rows, Hp - H);
+  unprepare(w);
+  EXPECT_TRUE(weights_equal(w, c));
 }
 
 TEST(PrepLayouts, BlackwellInteropSpotChecksFromTheSpecText) {
@@ -309,13 +345,6 @@ TEST(PrepErrors, BadRequestsAreRejectedAndChangeNothing) {
   const MoeWeights original = clone(w);
   EXPECT_TRUE(throws_error([&] { prepare(w, "tpu"); }, ErrorCode::kInvalidArgument,
                            {"unknown backend 'tpu'", "blackwell-interop"}));
-  // GPT-OSS-like H not a multiple of 128: the blackwell-interop layout cannot hold it.
-  MoeWeights odd = random_weights(2, 0, 96, 64, false, 3);
-  const MoeWeights odd_original = clone(odd);
-  EXPECT_TRUE(throws_error([&] { prepare(odd, "blackwell-interop"); }, ErrorCode::kUnsupported,
-                           {"H = 96 must be a multiple of 128"}));
-  EXPECT_TRUE(weights_equal(odd, odd_original));
-  EXPECT_TRUE(throws_error([&] { prepare_for_fused(odd, 100); }, ErrorCode::kUnsupported, {"H = 96"}));
   // Buffers that do not match the declared layout.
   MoeWeights shrunk = clone(w);
   shrunk.w2_sf.shrink(shrunk.w2_sf.size() - 1);

@@ -236,8 +236,11 @@ TEST(Reliability, EmptySlotsAndZeroTokens) {
 // outputs are non-finite too; NaN or Inf routing weights poison their token only; a NaN UE8M0
 // weight scale (0xFF) poisons exactly the tokens routed to that expert. Other tokens are bitwise
 // unchanged (tokens are independent), and nothing crashes.
-TEST(Reliability, NonFiniteInputsStayInTheirToken) {
-  const LayerConfig cfg = tiny_config(Activation::situ());
+// Every activation, the clamped ones included (their clamps used to turn NaN into the limit).
+class NonFinite : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(NonFinite, InputsStayInTheirToken) {
+  const LayerConfig cfg = tiny_config(Activation::parse(GetParam()));
   MoeLayer layer(cfg, synthetic_weights(cfg, kSeed), "cpu");
   Call clean(kTokens);
   clean.run(layer);
@@ -298,6 +301,13 @@ TEST(Reliability, NonFiniteInputsStayInTheirToken) {
     EXPECT_TRUE(std::isfinite(e4m3_to_f32(q[64])) && e4m3_to_f32(q[64]) > 0);
   }
 }
+INSTANTIATE_TEST_SUITE_P(Reliability, NonFinite,
+                         ::testing::Values("situ", "swiglu", "swiglu:clamp=7", "swiglu_oai"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           std::string name = info.param;
+                           for (char& ch : name) if (ch == ':' || ch == '=') ch = '_';
+                           return name;
+                         });
 
 TEST(Reliability, NanWeightScaleOnlyPoisonsItsExpert) {
   const LayerConfig cfg = tiny_config();

@@ -1,5 +1,6 @@
 // The end-to-end gate on the GPU: examples/kimi_mini with its MoE layers on the sm90 backend
-// reaches the accuracy gate, and its answers equal the CPU backend's on >= 95% of problems.
+// reaches the accuracy gate, and its answers equal the CPU backend's on >= 95% of problems, with
+// fast_math off (the model's default, as trained) and on (the layer's default).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -16,7 +17,7 @@ namespace {
 const std::string kModelDir = std::string(MEGAMOE_SOURCE_DIR) + "/examples/kimi_mini";
 constexpr double kCpuAgreementGate = 0.95;
 
-TEST(ModelGpu, GateAndAgreementWithCpu) {
+void gate_and_agreement_with_cpu(bool fast_math) {
   const auto backends = available_backends();
   if (backends.front() != "sm90") {
     std::printf("SKIPPED: no sm90 backend in this process (available: %s)\n",
@@ -29,6 +30,7 @@ TEST(ModelGpu, GateAndAgreementWithCpu) {
 
   ModelOptions gpu;
   gpu.backend = "sm90";
+  gpu.fast_math = fast_math;
   KimiMiniModel m_gpu = KimiMiniModel::load(kModelDir, gpu);
   ASSERT_EQ(m_gpu.moe_backend(), "sm90");
   m_gpu.generate({problems.front().prompt()}, 4);  // warm-up
@@ -36,21 +38,26 @@ TEST(ModelGpu, GateAndAgreementWithCpu) {
 
   ModelOptions cpu;
   cpu.backend = "cpu";
+  cpu.fast_math = fast_math;
   KimiMiniModel m_cpu = KimiMiniModel::load(kModelDir, cpu);
   const EvalReport r_cpu = evaluate(m_cpu, problems);
 
   int64_t same = 0;
   for (size_t i = 0; i < problems.size(); ++i) same += r_gpu.answers[i] == r_cpu.answers[i];
   const double agreement = static_cast<double>(same) / static_cast<double>(problems.size());
-  std::printf("kimi_mini: sm90 %lld/%lld = %.3f (%.1f s), cpu %lld/%lld = %.3f (%.1f s), "
+  std::printf("kimi_mini, fast_math %s: sm90 %lld/%lld = %.3f (%.1f s), cpu %lld/%lld = %.3f (%.1f s), "
               "identical answers %lld/%lld\n",
-              static_cast<long long>(r_gpu.correct), static_cast<long long>(r_gpu.total),
+              fast_math ? "on" : "off", static_cast<long long>(r_gpu.correct), static_cast<long long>(r_gpu.total),
               r_gpu.accuracy, r_gpu.seconds, static_cast<long long>(r_cpu.correct),
               static_cast<long long>(r_cpu.total), r_cpu.accuracy, r_cpu.seconds,
               static_cast<long long>(same), static_cast<long long>(problems.size()));
   EXPECT_GE(r_gpu.accuracy, kAccuracyGate);
   EXPECT_GE(agreement, kCpuAgreementGate);
 }
+
+TEST(ModelGpu, GateAndAgreementWithCpu) { gate_and_agreement_with_cpu(/*fast_math=*/false); }
+
+TEST(ModelGpu, GateAndAgreementWithCpuFastMath) { gate_and_agreement_with_cpu(/*fast_math=*/true); }
 
 }  // namespace
 }  // namespace megamoe::model

@@ -133,6 +133,20 @@ def test_checkpoint_expert_parallel_load(tmp_path):
         megamoe.load_moe_layer(path, 0, ep_rank=0, ep_size=3)
 
 
+def test_checkpoint_nan_scale_needs_allow_nan_scales(tmp_path):
+    # A UE8M0 byte 0xFF (NaN) would make every token of expert 5 NaN: loading names it.
+    arrays = _arrays(megamoe.synthetic_weights(tiny_config(), 4))
+    arrays["w2_sf"][5, 3, 1] = 0xFF
+    path = tmp_path / "nan.safetensors"
+    megamoe.write_moe_checkpoint(path, {"layers.0.moe": megamoe.MoeWeights.from_arrays(**arrays)})
+    with pytest.raises(megamoe.FormatError,
+                       match=r"experts\.5\.w2\.weight_scale'.*NaN\) in expert 5, row 3, block 1"):
+        megamoe.load_moe_layer(path, 0)
+    megamoe.load_moe_layer(path, 0, ep_rank=0, ep_size=2)  # experts 0..3: not this rank's
+    loaded = megamoe.load_moe_layer(path, 0, allow_nan_scales=True)
+    np.testing.assert_array_equal(loaded.array("w2_sf"), arrays["w2_sf"])
+
+
 def test_checkpoint_errors(tmp_path):
     with pytest.raises(megamoe.IoError) as info:
         megamoe.Checkpoint.open(tmp_path / "missing.safetensors")
