@@ -39,7 +39,7 @@ sm90_gather_dequant_e4m3_bf16_kernel(const uint8_t* __restrict__ x_q,
                                      const int32_t* __restrict__ row_slot, int32_t num_local,
                                      uint32_t top_k, uint32_t hidden, int64_t max_rows,
                                      uint16_t* __restrict__ act) {
-  // PDL: route's outputs are read below; the next kernel (L1) may start after this wait: it
+  // PDL: dispatch's outputs are read below; the next kernel (L1) may start after this wait: it
   // builds its schedule and issues its first weight copies while gather runs, and takes its
   // work units at run time, so its CTAs' uneven placement does not unbalance it
   // (sm90_grouped_gemm_bf16_mxfp4.cuh).
