@@ -11,11 +11,11 @@
 //                             one 1D bulk copy per 64-row weight block (S x 2 KiB), one per scale
 //                             block (S x 128 B) and S 2D TMA boxes of B rows;
 //   math warpgroups:          convert + wgmma (sm90_gemm_mainloop.cuh), then the epilogue of
-//                             the GEMM kind (sm90_gemm_epilogue.cuh); with Cfg::kAsyncEpilogue
-//                             only its first half (results staged in shared memory), the
-//                             producer warpgroup's other warps (3, or 7 with a second
-//                             warpgroup) doing the rest while the math warpgroups run the next
-//                             tile.
+//                             the GEMM kind (sm90_epilogue_l1.cuh, sm90_epilogue_l2.cuh); with
+//                             Cfg::kAsyncEpilogue only its first half (results staged in shared
+//                             memory), the producer warpgroup's other warps (3, or 7 with a
+//                             second warpgroup) doing the rest while the math warpgroups run
+//                             the next tile.
 // Stages are guarded by full (TMA transaction bytes) and empty (one arrive per math thread)
 // mbarriers.
 #pragma once
@@ -25,8 +25,9 @@
 
 #include "ptx/sm90_ptx.cuh"
 #include "sm90/sm90_diag_timeline.cuh"
+#include "sm90/sm90_epilogue_l1.cuh"
+#include "sm90/sm90_epilogue_l2.cuh"
 #include "sm90/sm90_gemm_config.hpp"
-#include "sm90/sm90_gemm_epilogue.cuh"
 #include "sm90/sm90_gemm_mainloop.cuh"
 #include "sm90/sm90_gemm_scheduler.cuh"
 
