@@ -268,17 +268,10 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
               const int mblk = tile.m_block0 + lm;
               const uint16_t* blk = smem_stage + static_cast<size_t>(lm) * Cfg::kBlockN * Cfg::kStagePitch;
               if constexpr (kKind == GemmKind::kL1) {
-                switch (p.activation.kind) {
-                  case ActivationKind::kSwiglu:
-                    finish_l1_block<Cfg, ActivationKind::kSwiglu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                    break;
-                  case ActivationKind::kSitu:
-                    finish_l1_block<Cfg, ActivationKind::kSitu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                    break;
-                  case ActivationKind::kSwigluOai:
-                    finish_l1_block<Cfg, ActivationKind::kSwigluOai, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                    break;
-                }
+                with_activation_kind(p.activation.kind, [&](auto kind) {
+                  constexpr ActivationKind kAct = decltype(kind)::value;
+                  finish_l1_block<Cfg, kAct, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                });
               } else {
                 finish_l2_block<Cfg, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
               }
@@ -443,29 +436,15 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
           if (!valid[sub]) continue;
           const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
           if constexpr (kKind == GemmKind::kL1 && Cfg::kStagedEpilogue) {
-            switch (p.activation.kind) {
-              case ActivationKind::kSwiglu:
-                epilogue_l1_staged<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-                break;
-              case ActivationKind::kSitu:
-                epilogue_l1_staged<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-                break;
-              case ActivationKind::kSwigluOai:
-                epilogue_l1_staged<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-                break;
-            }
+            with_activation_kind(p.activation.kind, [&](auto kind) {
+              constexpr ActivationKind kAct = decltype(kind)::value;
+              epilogue_l1_staged<Cfg, kAct>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+            });
           } else if constexpr (kKind == GemmKind::kL1) {
-            switch (p.activation.kind) {
-              case ActivationKind::kSwiglu:
-                epilogue_l1<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-                break;
-              case ActivationKind::kSitu:
-                epilogue_l1<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-                break;
-              case ActivationKind::kSwigluOai:
-                epilogue_l1<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-                break;
-            }
+            with_activation_kind(p.activation.kind, [&](auto kind) {
+              constexpr ActivationKind kAct = decltype(kind)::value;
+              epilogue_l1<Cfg, kAct>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+            });
           } else if constexpr (Cfg::kStagedEpilogue) {
             if (p.bias == nullptr) {
               epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
