@@ -61,8 +61,9 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 pybuild_pid=""
 if has python; then
   say "python extension build in the background"
+  # MEGAMOE_PY_CRASH_TRACE: the crash backtrace that the repro step below turns on.
   (cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
-     -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" &&
+     -DMEGAMOE_PY_CRASH_TRACE=ON -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" &&
    ninja -C /tmp/build-py -j8) >"$LOGS/python_build.log" 2>&1 &
   pybuild_pid=$!
 fi
