@@ -4,7 +4,7 @@
 # "tests serial model python gemmbench"):
 #   train       trains the example model (examples/kimi_mini, TRAIN_SECONDS) ALONE: sharing the
 #               GPU slowed training and made two layer tests run out of memory
-#   tests       megamoe_gpu_tests Sm90* (incl. the opt-in GEMM tiles) and ReliabilitySanitize*
+#   tests       megamoe_gpu_tests Sm90* (every GEMM tile config) and ReliabilitySanitize*
 #   serial      Sm90Layer* again with MEGAMOE_SM90_GEMM_OVERLAP=0 (the layer on the serial tiles)
 #   memcheck    compute-sanitizer memcheck on the small reliability driver
 #   model       the example model's GPU gate (ModelGpu*)
@@ -12,9 +12,9 @@
 #               start, since its Python is not this machine's), with faulthandler on, after the
 #               crash reproduction of issue 6
 #   gemmbench   the grouped-GEMM benchmark of every tile config (Sm90GemmBench.*)
-#   readbench   what one launch reads at the decode GEMMs' weight sizes (Sm90ReadCeilingBench.*)
-#   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3, default and opt-in tiles
-#               (LAYERBENCH_SERIAL=1: also the serial tiles; LAYERBENCH_NOPDL=1: also plain launches)
+#   readbench   what one launch reads at the decode GEMMs' weight sizes (megamoe_bench_read_ceiling)
+#   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3 with the default tiles, then the serial
+#               tiles (LAYERBENCH_SERIAL=0: without them; LAYERBENCH_NOPDL=1: also plain launches)
 #   ncu         Nsight Compute on the GEMMs of `megamoe bench` (NCU_RUNS, NCU_FULL)
 #   reliability tests/gpu/run_reliability.sh (REL_PART: all, soak or sanitizers)
 #   peers       the side-by-side comparison with the peers (bench/peers/compare.py)
@@ -24,10 +24,11 @@
 #
 # SRC_DIR: the source tree under test (the lead exports the committed revision with
 # `git archive HEAD | tar -x -C .carry/src`, so uncommitted work cannot leak into the run).
-# BIN_DIR: prebuilt `megamoe` and `megamoe_gpu_tests` (built on the development machine from the
-# same SRC_DIR, whose absolute path the tests have compiled in: SRC_BUILT_AT names it). Needs
-# carry [".carry", ".whl"]. Writes $OUT/log.txt (summary of every step), $OUT/logs.tgz (full
-# logs), $OUT/km/* (a trained checkpoint), $OUT/*.jsonl (benchmarks) and $OUT/peers.*.
+# BIN_DIR: prebuilt `megamoe`, `megamoe_gpu_tests` and `megamoe_bench_*` (built on the
+# development machine from the same SRC_DIR, whose absolute path the tests have compiled in:
+# SRC_BUILT_AT names it). Needs carry [".carry", ".whl"]. Writes $OUT/log.txt (summary of every
+# step), $OUT/logs.tgz (full logs), $OUT/km/* (a trained checkpoint), $OUT/*.jsonl (benchmarks)
+# and $OUT/peers.*.
 set -uo pipefail
 ROOT=$PWD
 SRC=$(cd "${1:?usage: gpu_session.sh SRC_DIR [BIN_DIR]}" && pwd)
@@ -86,6 +87,16 @@ bench_step() {
   tail -3 "$LOGS/$1.log" >>"$LOG"
 }
 
+# program_step NAME TIMEOUT PROGRAM GREP_PATTERN: one run of a benchmark program of BIN_DIR; its
+# full output goes to $LOGS/NAME.log, the lines matching GREP_PATTERN to $OUT/NAME.txt, its last
+# lines to the summary.
+program_step() {
+  timeout "$2" "$BIN/$3" >"$LOGS/$1.log" 2>&1
+  echo "exit $?" >>"$LOGS/$1.log"
+  grep -E "$4" "$LOGS/$1.log" >>"$OUT/$1.txt"
+  tail -3 "$LOGS/$1.log" >>"$LOG"
+}
+
 for step in $STEPS; do
   case $step in
   train)
@@ -138,8 +149,8 @@ for step in $STEPS; do
     say "grouped GEMM benchmark (every tile config)"
     bench_step gemm_bench "${GEMMBENCH_SECONDS:-200}" 'Sm90GemmBench.*' "bench|copy|^exit|FAILED" ;;
   readbench)
-    say "read ceiling by size (Sm90ReadCeilingBench.*)"
-    bench_step read_ceiling "${READBENCH_SECONDS:-150}" 'Sm90ReadCeilingBench.*' "^\[read\]|^exit|FAILED" ;;
+    say "read ceiling by size (megamoe_bench_read_ceiling)"
+    program_step read_ceiling "${READBENCH_SECONDS:-150}" megamoe_bench_read_ceiling "^\[read\]|^exit" ;;
   layerbench)
     say "layer benchmark (default tiles, then MEGAMOE_SM90_GEMM_OVERLAP=0)"
     timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 --git-rev "$(cat REVISION 2>/dev/null || echo unknown)" \
