@@ -23,15 +23,7 @@
 #include "layout/sm90_weight_layout.hpp"
 #include "ptx/sm90_ptx.cuh"
 #include "ptx/sm90_wgmma_bf16_rs.cuh"
-
-// MEGAMOE_DIAG_MAINLOOP (measurement builds only, never set by the build files): 1 replaces the
-// conversion of the overlapped mainloop by a copy of the loaded words (the wgmmas, loads and
-// barriers stay), 2 leaves only the barrier waits and arrivals (the weight and B copies still
-// stream). The results are wrong; the GEMM benchmark then times the pipeline without the
-// conversion, or the copies alone (docs/perf.md, "How it is measured").
-#ifndef MEGAMOE_DIAG_MAINLOOP
-#define MEGAMOE_DIAG_MAINLOOP 0
-#endif
+#include "sm90/sm90_diag.hpp"
 
 namespace megamoe::sm90 {
 

@@ -24,25 +24,13 @@
 #include <type_traits>
 
 #include "ptx/sm90_ptx.cuh"
+#include "sm90/sm90_diag.hpp"
 #include "sm90/sm90_diag_timeline.cuh"
 #include "sm90/sm90_epilogue_l1.cuh"
 #include "sm90/sm90_epilogue_l2.cuh"
 #include "sm90/sm90_gemm_config.hpp"
 #include "sm90/sm90_gemm_mainloop.cuh"
 #include "sm90/sm90_gemm_scheduler.cuh"
-
-// MEGAMOE_DIAG_SPLIT_FREE (measurement builds only, never set by the build files): 1 skips the
-// split-K hand-off (split_k_reduce), so the GEMM benchmark's split rows time the K parts alone.
-#ifndef MEGAMOE_DIAG_SPLIT_FREE
-#define MEGAMOE_DIAG_SPLIT_FREE 0
-#endif
-// MEGAMOE_DIAG_EPILOGUE_FREE (measurement builds only): 1 makes the asynchronous epilogue's
-// warps skip the finishing of each staged block (they still wait for it and hand the staging
-// area back), so the GEMM benchmark's async rows time the mainloop and the staging alone: the
-// epilogue warps' share of a prefill tile (results wrong).
-#ifndef MEGAMOE_DIAG_EPILOGUE_FREE
-#define MEGAMOE_DIAG_EPILOGUE_FREE 0
-#endif
 
 namespace megamoe::sm90 {
 
