@@ -80,7 +80,7 @@ inline double device_copy_tbs() {
 // (CUDA events around many launches after warm-up): each of `samples` samples brackets `reps`
 // replays (about 2 ms of work, at most 16) enqueued behind one untimed replay, so the GPU is busy
 // from the start event on and the host's graph submission is not inside the events. single: the
-// timing of the GEMM benchmark before v14, events around one replay submitted to an idle GPU.
+// GEMM benchmark's earlier protocol, events around one replay submitted to an idle GPU.
 struct GraphTiming {
   double median_us = 0, min_us = 0, single_median_us = 0;
   int reps = 0;

@@ -78,7 +78,7 @@ sm90_dispatch_topk_kernel(const DispatchParams p, int num_warps) {
 
   // ---- pass 1: per-warp histograms ----
   // NOTES: each lane loads kDispatchUnroll ids before using any, so a warp keeps kDispatchUnroll
-  // loads in flight; one load at a time left the single CTA latency-bound (~340 us at T*K = 131072).
+  // loads in flight; one load at a time left the single CTA latency-bound (at T*K = 131072).
   if (warp < num_warps) {
     const int64_t begin = warp * segment;
     const int64_t end = min(begin + segment, p.num_slots);

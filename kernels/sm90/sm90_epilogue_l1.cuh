@@ -129,7 +129,7 @@ __device__ __forceinline__ void stage_l1_block(const GemmParams& p, const TileIn
 
 // Step 2 by kThreads threads (tid in [0, kThreads), whole warps).
 // NOTES (rejected): p.fast_math as a compile-time constant here (one dispatch per block instead of
-// a branch per element's exp and reciprocal): 0.99-1.01x at Kimi-K3 T = 4096 (H200, c7e2cdb).
+// a branch per element's exp and reciprocal): 0.99-1.01x at Kimi-K3 T = 4096.
 template <class Cfg, ActivationKind kKind, int kThreads>
 __device__ __forceinline__ void finish_l1_block(const GemmParams& p, const TileInfo& tile, int mblk,
                                                 const uint16_t* stage, int tid) {

@@ -104,8 +104,8 @@ __device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
   __threadfence();  // the other parts' stores (ordered before their arrivals) are read below
   // Part by part, all of a part's values at once: one L2 round trip per part.
   // NOTES: the former loop (per value, a runtime loop over the parts) issued its loads one
-  // dependent round trip at a time: 5.4 us per tile finished here (DeepSeek-V3 L1 at T = 1, 2
-  // parts; MEGAMOE_DIAG_TIMELINE build, H200, d3cce03), on the critical path of the last CTAs.
+  // dependent round trip at a time, on the critical path of the last CTAs (DeepSeek-V3 L1 at
+  // T = 1, MEGAMOE_DIAG_TIMELINE build; docs/tuning-log.md).
 #pragma unroll
   for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
 #pragma unroll
@@ -201,8 +201,8 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   // launched CTAs are spread round-robin over the SMs. A GEMM started while its predecessor still
   // holds SMs gets its CTAs placed on the free SMs first, consecutive blockIdx together: with
   // gather releasing L1 early, DeepSeek-V3 L1 at T = 8 (3.5 tiles per CTA) measured 1.11x slower
-  // (310 -> 343 us; H200, 2081190 and dce201d). Units taken at run time go to whichever CTAs run
-  // first, wherever they were placed.
+  // (docs/tuning-log.md). Units taken at run time go to whichever CTAs run first, wherever they
+  // were placed.
   if (!prefetch) ptx::grid_dependency_wait();
   if constexpr (Cfg::kUseSetMaxNReg) {
     build_schedule_rounds<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows,
