@@ -122,7 +122,7 @@ MEGAMOE_HD float apply_activation(const Activation& act, float g, float u, bool 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch: the one place where a run-time ActivationKind selects code.
+// Choosing the activation at run time: the one place where an ActivationKind selects code.
 // ---------------------------------------------------------------------------------------------
 template <ActivationKind kKind>
 using ActivationConstant = std::integral_constant<ActivationKind, kKind>;
