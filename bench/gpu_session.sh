@@ -12,7 +12,7 @@
 #               start, since its Python is not this machine's), with faulthandler on, after the
 #               crash reproduction of issue 6
 #   gemmbench   the grouped-GEMM benchmark of every shipped tile (megamoe_gemm_bench)
-#   readbench   what one launch reads at the decode GEMMs' weight sizes (Sm90ReadCeilingBench.*)
+#   readbench   what one launch reads at the decode GEMMs' weight sizes (megamoe_bench_read_ceiling)
 #   layerbench  `megamoe bench` on kimi-k3 and deepseek-v3 with the default options
 #               (LAYERBENCH_SERIAL=1: also --tile serial; LAYERBENCH_NOPDL=1: also --no-pdl)
 #   ncu         Nsight Compute on the GEMMs of `megamoe bench` (NCU_RUNS, NCU_FULL)
@@ -24,8 +24,9 @@
 #
 # SRC_DIR: the source tree under test (the lead exports the committed revision with
 # `git archive HEAD | tar -x -C .carry/src`, so uncommitted work cannot leak into the run).
-# BIN_DIR: prebuilt `megamoe`, `megamoe_gpu_tests` and `megamoe_gemm_bench` (built on the development machine from the
-# same SRC_DIR, whose absolute path the tests have compiled in: SRC_BUILT_AT names it). Needs
+# BIN_DIR: prebuilt `megamoe`, `megamoe_gpu_tests`, `megamoe_gemm_bench` and
+# `megamoe_bench_read_ceiling` (built on the development machine from the same SRC_DIR, whose
+# absolute path the tests have compiled in: SRC_BUILT_AT names it). Needs
 # carry [".carry", ".whl"]. Writes $OUT/log.txt (summary of every step), $OUT/logs.tgz (full
 # logs), $OUT/km/* (a trained checkpoint), $OUT/*.jsonl (benchmarks) and $OUT/peers.*.
 set -uo pipefail
@@ -64,8 +65,9 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 pybuild_pid=""
 if has python; then
   say "python extension build in the background"
+  # MEGAMOE_PY_CRASH_TRACE: the crash backtrace that the repro step below turns on.
   (cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
-     -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" &&
+     -DMEGAMOE_PY_CRASH_TRACE=ON -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" &&
    ninja -C /tmp/build-py -j8) >"$LOGS/python_build.log" 2>&1 &
   pybuild_pid=$!
 fi
@@ -136,8 +138,8 @@ for step in $STEPS; do
     say "grouped GEMM benchmark (every shipped tile)"
     bench_step gemm_bench "${GEMMBENCH_SECONDS:-200}" "$GEMMBENCH" "bench|copy|^exit|FAILED" ;;
   readbench)
-    say "read ceiling by size (Sm90ReadCeilingBench.*)"
-    bench_step read_ceiling "${READBENCH_SECONDS:-150}" 'Sm90ReadCeilingBench.*' "^\[read\]|^exit|FAILED" ;;
+    say "read ceiling by size (megamoe_bench_read_ceiling)"
+    bench_step read_ceiling "${READBENCH_SECONDS:-150}" "$BIN/megamoe_bench_read_ceiling" "^\[read\]|^exit" ;;
   layerbench)
     say "layer benchmark (default options, then --tile serial)"
     timeout 150 "$CLI" bench --shape kimi-k3,deepseek-v3 --replays 5 --git-rev "$(cat REVISION 2>/dev/null || echo unknown)" \

@@ -6,7 +6,9 @@
 import json
 import sys
 
-STAGES = ["quantize", "route", "gather", "l1", "l2", "combine"]
+STAGES = ["quantize", "dispatch", "gather", "l1", "l2", "combine"]
+# Runs recorded before issue 27 call the dispatch stage "route".
+OLD_STAGE_NAMES = {"route": "dispatch"}
 
 
 def main(path):
@@ -32,7 +34,7 @@ def main(path):
             if (r["shape"], r["routing"], r["activation"], r["fast_math"]) != (shape, routing, act, fast):
                 continue
             m = r["median_us"]
-            st = r.get("stages_us", {})
+            st = {OLD_STAGE_NAMES.get(k, k): v for k, v in r.get("stages_us", {}).items()}
             cells = [f"{st[s]:.0f} ({100 * st[s] / m:.0f}%)" if s in st else "-" for s in STAGES]
             print(f"| {r['tokens']} | {m:.1f} | {r['min_us']:.1f} | {r['tflops']:.1f} | "
                   f"{r['weight_gbs']:.0f} | {r['floor_us']:.1f} ({r['t_mem_us']:.0f} / "

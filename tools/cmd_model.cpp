@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "examples/kimi_mini/cpp/model.hpp"
 #include "megamoe/error.hpp"
-#include "megamoe/model.hpp"
 #include "megamoe/parallel.hpp"
 #include "tools/cli.hpp"
 #include "tools/cmd_model.hpp"

@@ -1,7 +1,7 @@
 // micro_common.cuh: the setup shared by the prefill-loop micro-benchmarks (wgmma_chain.cu,
 // wgmma_conversion.cu): shared-memory contents, each thread's word and scale addresses, the
 // scale registers as the kernels build them, and the host side (launch on every SM, report the
-// tensor pipe's use). docs/perf.md, "How it is measured" and tuning log v19.
+// tensor pipe's use). docs/perf.md, "How it is measured"; docs/tuning-log.md has the readings.
 #pragma once
 
 #include <algorithm>

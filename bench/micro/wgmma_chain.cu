@@ -5,8 +5,8 @@
 // ideal = MACs / 2048 per SM cycle (dense BF16). Modes: 0 the prefill loop (unit u: 4 wgmmas,
 // commit, the next unit's A registers, wait 0), 1 two accumulator chains per wait, 2 wait_group 1
 // with three register sets, 3 the wgmmas alone. "convert" is the kernels' own conversion
-// (Mainloop::load_convert_block, through micro::convert_block); docs/perf.md, tuning log v19, has
-// the readings.
+// (Mainloop::load_convert_block, through micro::convert_block); docs/tuning-log.md has the
+// readings.
 //
 // Build: the CMake target megamoe_micro_wgmma_chain (with the tools, when CUDA is enabled), or
 //   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \

@@ -1,5 +1,5 @@
 // wgmma_conversion.cu: how busy the tensor pipe stays when the prefill mainloop's A fragments
-// are produced between a unit's wgmma issue and its wait (docs/perf.md, tuning log v19).
+// are produced between a unit's wgmma issue and its wait (readings: docs/tuning-log.md).
 //
 // Two math warpgroups per CTA, one CTA per SM, the overlapped loop's shape: unit u issues four
 // RS wgmmas m64nNk16 on accumulator u & 1, commits, produces the next unit's 16 A registers

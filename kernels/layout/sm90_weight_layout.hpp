@@ -123,12 +123,12 @@ constexpr uint32_t kA3Shifted = 0x01000100u;  // a3: e1, stored 8 bits lower (bi
 
 // rotr(w, n), 0 < n < 32. On the GPU one funnel shift (SHF.R.W).
 // NOTES: why not a 32 x 32 -> 64-bit multiply by 2^(32 - n) (IMAD.WIDE, high word | low word in
-// the caller's LOP3), which v7 chose to move work from the integer to the FMA pipe: with RS
+// the caller's LOP3), chosen earlier to move work from the integer to the FMA pipe: with RS
 // wgmmas in flight, a micro-benchmark of the prefill loop (bench/micro/wgmma_conversion.cu, two
 // math warpgroups, m64n80k16) keeps the tensor pipe 65-67 % busy with the IMAD.WIDE rotations and
 // 73-83 % with funnel shifts (by the order ptxas gives the same instructions); 48 IMAD.WIDE per
-// unit alone hold it at 39-40 %. The GEMMs: 1.02-1.12x at every shape and token count (H200,
-// 6f772ce against 25bb359; docs/perf.md, tuning log v19).
+// unit alone hold it at 39-40 %. The GEMMs: 1.02-1.12x at every shape and token count
+// (docs/tuning-log.md).
 MEGAMOE_HD uint32_t rotr32(uint32_t w, int n) {
 #ifdef __CUDA_ARCH__
   return __funnelshift_r(w, w, n);

@@ -104,7 +104,7 @@ __device__ __forceinline__ void grid_dependency_wait() {
 // this grid has executed it or exited; the first call in a CTA counts, later ones are no-ops.
 // NOTES: every megamoe kernel that calls it does so only after its own grid_dependency_wait(),
 // so a grid that starts running knows that its predecessor's predecessor has completed: the
-// layer's GEMMs read row_offsets (written by route, two launches back) before their own wait.
+// layer's GEMMs read row_offsets (written by dispatch, two launches back) before their own wait.
 __device__ __forceinline__ void launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }

@@ -23,8 +23,8 @@ constexpr int kCombineBatch = 8;  // slots whose rows are loaded before any is a
 
 // The launcher guarantees T * H / kCombineVec < 2^32 (32-bit item indices).
 // NOTES: the rows of kCombineBatch slots are loaded before the first add (independent loads in
-// flight); loading and adding one slot at a time left the kernel latency-bound (~500 us for
-// T = 8192, K = 16 on an H200, about half the bandwidth). The adds stay in ascending k.
+// flight); loading and adding one slot at a time left the kernel latency-bound (about half the
+// bandwidth at T = 8192, K = 16). The adds stay in ascending k.
 __global__ void __launch_bounds__(kCombineBlockThreads)
 sm90_combine_topk_bf16_kernel(const uint16_t* __restrict__ out,
                               const int32_t* __restrict__ slot_to_row, uint32_t num_tokens,

@@ -1,15 +1,13 @@
-// sm90_diag_timeline.cuh: MEGAMOE_DIAG_TIMELINE (measurement builds only, never set by the build
-// files): the grouped GEMM kernel stamps %globaltimer at fixed points of every CTA's life into a
+// sm90_diag_timeline.cuh: MEGAMOE_DIAG_TIMELINE (measurement builds only; sm90_diag.hpp): the
+// grouped GEMM kernel stamps %globaltimer at fixed points of every CTA's life into a
 // device table that the GEMM benchmark reads back (sm90::diag_read_timeline), to see where a short
 // launch loses its time: the launch spread, the schedule, the first stage, the spread of the CTAs'
 // ends. In the default build the stamps compile to nothing.
 #pragma once
 
-#ifndef MEGAMOE_DIAG_TIMELINE
-#define MEGAMOE_DIAG_TIMELINE 0
-#endif
-
 #include <cstdint>
+
+#include "sm90/sm90_diag.hpp"
 
 namespace megamoe::sm90::diag {
 

@@ -14,8 +14,8 @@
 // (exact), cvt.rn.bf16x2.f32 (exact here, so the bits of bf16_from_f32; a NaN code gives the
 // canonical BF16 NaN 0x7FFF, still NaN as the contract asks).
 // NOTES: the software decode (megamoe::e4m3_to_f32, bf16_from_f32: ~12 instructions per value)
-// and 8 channels per thread kept the kernel instruction-bound at ~1.7 TB/s of reads + writes,
-// 6-7 % of the layer at T = 8192 (H200, bfaad7c).
+// and 8 channels per thread kept the kernel instruction-bound, well below the copy ceiling
+// (docs/tuning-log.md).
 #pragma once
 
 #include <cstdint>
@@ -31,7 +31,7 @@ static_assert(kScaleBlock % kGatherVec == 0, "a thread's channels share one scal
 
 // max_rows = T * K. The launcher guarantees max_rows * H / kGatherVec < 2^32, so work items are
 // indexed in 32 bits. NOTES: with 64-bit indices the two divisions per item (row of the item,
-// token of the row) made the kernel instruction-bound at ~1.1 TB/s of writes.
+// token of the row) made the kernel instruction-bound.
 __global__ void __launch_bounds__(kGatherBlockThreads)
 sm90_gather_dequant_e4m3_bf16_kernel(const uint8_t* __restrict__ x_q,
                                      const uint8_t* __restrict__ x_sf,
@@ -39,7 +39,7 @@ sm90_gather_dequant_e4m3_bf16_kernel(const uint8_t* __restrict__ x_q,
                                      const int32_t* __restrict__ row_slot, int32_t num_local,
                                      uint32_t top_k, uint32_t hidden, int64_t max_rows,
                                      uint16_t* __restrict__ act) {
-  // PDL: route's outputs are read below; the next kernel (L1) may start after this wait: it
+  // PDL: dispatch's outputs are read below; the next kernel (L1) may start after this wait: it
   // builds its schedule and issues its first weight copies while gather runs, and takes its
   // work units at run time, so its CTAs' uneven placement does not unbalance it
   // (sm90_grouped_gemm_bf16_mxfp4.cuh).

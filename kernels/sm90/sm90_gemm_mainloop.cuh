@@ -9,8 +9,8 @@
 // one (Cfg::kOverlapConvert; kAuto's prefill tiles: the next block's conversion runs while the
 // current block's wgmmas are in flight, see run_overlapped), and the warp-level one
 // (Cfg::kWarpMma; kAuto's decode tiles: the same conversion feeding mma.sync, see run_warp).
-// NOTES: the serial chain is latency-bound (decode streamed 1.1-1.7 TB/s; a prefill stage took
-// ~3x its tensor time). Double-buffering with wait_group 1 across stages was tried: ptxas could
+// NOTES: the serial chain is latency-bound (decode streamed well below the copy ceiling; a
+// prefill stage took ~3x its tensor time). Double-buffering with wait_group 1 across stages was tried: ptxas could
 // not prove the in-flight registers untouched and serialized every wgmma (C7513).
 // NOTES: all kMBlocksPerWG blocks are computed even when the last m-tile is partial (the producer
 // leaves stale bytes there and the epilogue skips them): a wgmma under a data-dependent branch
@@ -23,15 +23,7 @@
 #include "layout/sm90_weight_layout.hpp"
 #include "ptx/sm90_ptx.cuh"
 #include "ptx/sm90_wgmma_bf16_rs.cuh"
-
-// MEGAMOE_DIAG_MAINLOOP (measurement builds only, never set by the build files): 1 replaces the
-// conversion of the overlapped mainloop by a copy of the loaded words (the wgmmas, loads and
-// barriers stay), 2 leaves only the barrier waits and arrivals (the weight and B copies still
-// stream). The results are wrong; the GEMM benchmark then times the pipeline without the
-// conversion, or the copies alone (docs/perf.md, "How it is measured").
-#ifndef MEGAMOE_DIAG_MAINLOOP
-#define MEGAMOE_DIAG_MAINLOOP 0
-#endif
+#include "sm90/sm90_diag.hpp"
 
 namespace megamoe::sm90 {
 
@@ -154,7 +146,7 @@ struct Mainloop {
   // stage offset (warp-uniform) and compile-time offsets.
   // NOTES: why: with the block pointers and tid passed down, ptxas rebuilt the thread part from
   // SR_TID.X in every unit (~17 instructions, S2R's latency at the head of the conversion's
-  // dependency chain; SASS of PrefillAsyncK2N96 L1, 6be321e).
+  // dependency chain; SASS of PrefillAsyncK2N96 L1).
   struct ThreadAddrs {
     uint32_t a, sf;
   };
@@ -209,7 +201,7 @@ struct Mainloop {
     // one BF16x2 register, each multiply takes its half.
     // NOTES: why no run-time test: a warp vote per block sent warps with a scale >= 128 to a
     // two-multiply path; dropping the vote and that path made the decode launches 3-5 % faster
-    // at T = 1 and 2-4 % at T = 8 and 64 (H200, tuning log v15), and weights with larger scales
+    // at T = 1 and 2-4 % at T = 8 and 64 (docs/tuning-log.md), and weights with larger scales
     // (|w| > 6) run the serial configs, whose conversion takes any scale.
     const uint32_t sc[2] = {scale_folded_pair_bf16x2<0, 1>(sfw),
                             scale_folded_pair_bf16x2<2, 3>(sfw)};
@@ -237,37 +229,34 @@ struct Mainloop {
   // are an unrolled loop of compile-time length (a wgmma under a data-dependent branch
   // serializes them all, C7520), so K must be a multiple of the stage depth (the launcher's
   // check).
-  // NOTES (rejected, v17): wait_group 1 across units (the next unit's wgmmas queued behind the
-  // current ones): ptxas serialized the wgmmas of every prefill config (C7511, "insufficient
-  // register resources for the wgmma pipeline"). A __syncwarp after each commit, which keeps a
-  // unit's four wgmmas together (ptxas otherwise spreads them over the next conversion): 0.95-1.01x
-  // (H200, 4670141). The next tile's first block converted during the tile's last wgmmas
-  // (register sets carried across tiles): 0.98-1.01x (H200, 3bb5243). docs/perf.md, tuning log v17.
-  // NOTES (rejected, v19): with the funnel-shift decode, the __syncwarp after each commit again
+  // NOTES (rejected; docs/tuning-log.md): wait_group 1 across units (the next unit's wgmmas
+  // queued behind the current ones): ptxas serialized the wgmmas of every prefill config (C7511,
+  // "insufficient register resources for the wgmma pipeline"). A __syncwarp after each commit,
+  // which keeps a unit's four wgmmas together (ptxas otherwise spreads them over the next
+  // conversion): 0.95-1.01x. The next tile's first block converted during the tile's last
+  // wgmmas (register sets carried across tiles): 0.98-1.01x.
+  // NOTES (rejected): with the funnel-shift decode, the __syncwarp after each commit again
   // (79.8 % tensor-pipe use against 73.2 % in bench/micro/wgmma_conversion.cu): 0.98-1.02x in the
-  // GEMMs (H200, 4555ddc); each register multiplied as soon as it is decoded (82.6 % against
-  // 73.2 % in the micro-benchmark at N = 80, 82.8 against 84.6 at N = 96): 0.98-1.02x (H200,
-  // 52a54a5). The micro-benchmark has no TMA, barriers or epilogue warps: its instruction orders
-  // did not carry over.
-  // NOTES (rejected, v18): A through shared memory (each unit's converted block stored with
-  // stmatrix into a 128B-swizzled buffer, SS wgmmas, two buffers per warpgroup, wait_group 1 per
-  // unit, so no wgmma reads the registers the conversion writes and the next unit's wgmmas queue
-  // behind the current ones): 0.82-0.88x in the 256 x 96 and 128 x 192 tiles at T = 4096 / 8192
-  // (H200, b8762d1); with the warpgroup barriers taken out (a measurement build, 03c085c) only
-  // 0.99-1.04x of that.
+  // GEMMs; each register multiplied as soon as it is decoded (82.6 % against 73.2 % in the
+  // micro-benchmark at N = 80, 82.8 against 84.6 at N = 96): 0.98-1.02x. The micro-benchmark has
+  // no TMA, barriers or epilogue warps: its instruction orders did not carry over.
+  // NOTES (rejected): A through shared memory (each unit's converted block stored with stmatrix
+  // into a 128B-swizzled buffer, SS wgmmas, two buffers per warpgroup, wait_group 1 per unit, so
+  // no wgmma reads the registers the conversion writes and the next unit's wgmmas queue behind
+  // the current ones): 0.82-0.88x in the 256 x 96 and 128 x 192 tiles at T = 4096 / 8192; with
+  // the warpgroup barriers taken out (a measurement build) only 0.99-1.04x of that.
   // The stores and the wgmmas' A reads more than double the shared-memory traffic per unit
   // (L1TEX 63 % busy against 36 %, Nsight Compute, Kimi-K3 T = 4096 L1).
   // NOTES: why two stages per iteration: with one unit per stage (the 128 x 192 prefill tiles,
   // one weight block per warpgroup and one k-block per stage) the copy was 16 MOVs per unit on
-  // top of ~80 instructions (SASS of PrefillWideAsync L1, 04896d4).
+  // top of ~80 instructions (SASS of PrefillWideAsync L1).
   // NOTES (rejected): loading each block's words one unit ahead of its conversion (a register
   // copy of the packed words, loaded by the previous unit) in the two-k-block prefill tiles, to
   // take the shared-memory latency out of the conversion (the top stall of its first multiply,
-  // ~9 % of the samples; ncu, PrefillAsyncK2N96, Kimi-K3 T = 4096 L1, dd2ab35): 2-5 % slower in
-  // every prefill tile and token count it ran (H200, 5d05e25 against dd2ab35 in one call,
-  // bench/results/gemm_bench_5d05e25_*.txt), while the 128 x 192 tile, which it left alone, read
-  // 0.99-1.02x: the other math warpgroup hides that latency already, and the extra loads land in
-  // front of the wgmma wait.
+  // ~9 % of the samples; ncu, PrefillAsyncK2N96, Kimi-K3 T = 4096 L1): 2-5 % slower in every
+  // prefill tile and token count it ran (docs/tuning-log.md), while the 128 x 192 tile, which it
+  // left alone, read 0.99-1.02x: the other math warpgroup hides that latency already, and the
+  // extra loads land in front of the wgmma wait.
   static constexpr int kUnitsPerStage = kMBlocksPerWG * Cfg::kKBlocksPerStage;
 
   // One stage of the overlapped loop: its units' wgmmas, the conversion of each next unit (the
@@ -306,10 +295,9 @@ struct Mainloop {
         const int unit = j * kMBlocksPerWG + sub;
         const int cur = kCopySets ? 0 : (kStageParity + unit) & 1;
         const int nxt = kCopySets ? 1 : cur ^ 1;
-        // NOTES (rejected, v15): the decode tiles' four k16 steps alternating between two
+        // NOTES (rejected): the decode tiles' four k16 steps alternating between two
         // accumulator sets (two dependent chains of 2 instead of one of 4, summed after the K
-        // loop): 0.98-1.01x at T = 1, 8 and 64 (H200, 9e00e5c + experiment build): the chain's
-        // latency is not what bounds them.
+        // loop): 0.98-1.01x at T = 1, 8 and 64: the chain's latency is not what bounds them.
         ptx::wgmma_fence();
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
@@ -342,7 +330,7 @@ struct Mainloop {
     // barrier counts all of them), so each thread's own ld.shared of the stage is ordered
     // before the producer's next bulk copy into it by the barrier alone.
     // NOTES: with one arrival per warp (lane 0, after __syncwarp) compute-sanitizer racecheck
-    // reported WAR hazards between lanes 1-31's reads and that copy (H200, a5576ca, ae48def).
+    // reported WAR hazards between lanes 1-31's reads and that copy.
     ptx::mbar_arrive(&empty_bars[stage]);
   }
 
@@ -409,8 +397,8 @@ struct Mainloop {
   // independently (a wgmma starts when all four have issued it) and the stage is released when
   // its shared memory has been read.
   // NOTES: why: the 128-row decode tiles on this loop measured 1.00-1.09x over their wgmma
-  // versions at T = 1, 8 and 64 (H200, 69a470e / 93d3738, tuning log v16), with ~5 fewer
-  // instructions per weight block (no fence, arrive, wait or descriptor update).
+  // versions at T = 1, 8 and 64 (docs/tuning-log.md), with ~5 fewer instructions per weight
+  // block (no fence, arrive, wait or descriptor update).
   // NOTES (tried): loading the whole stage into registers first and releasing it before the
   // conversion, to let the producer refill it one stage's math earlier: ptxas schedules each
   // load next to its use and the arrival after the last load whatever the source order (the SASS

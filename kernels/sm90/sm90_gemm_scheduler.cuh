@@ -97,8 +97,7 @@ __device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, i
   __shared__ int32_t s_warp_sums[kThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   // NOTES: a loop of dependent load + store rounds took ~5 % of the samples of Kimi-K3 L1 at
-  // T = 1 (7 rounds for 896 experts; Nsight Compute, H200, dce201d): load_row_offsets issues all
-  // loads first.
+  // T = 1 (7 rounds for 896 experts; Nsight Compute): load_row_offsets issues all loads first.
   load_row_offsets<kThreads>(row_offsets, num_experts, s_offsets);
   __syncthreads();
   for (int e = tid; e < num_experts; e += kThreads) {
@@ -134,10 +133,10 @@ __device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, i
 // from there (a stride of C words: no bank conflicts for odd C), checks and counts its experts'
 // tiles in registers, and one block-wide scan of the per-thread counts gives every prefix.
 // NOTES: the former version scanned kThreads experts per round with two __syncthreads each (6
-// rounds at E_l = 896; 2.6-3.2 us from kernel entry to the schedule at Kimi-K3 T = 1, 1.5-2.2 at
-// DeepSeek-V3: MEGAMOE_DIAG_TIMELINE build, H200, d3cce03). A first one-round version that
-// loaded each thread's C entries straight from global memory (C words apart across a warp, 7x
-// the L2 requests of coalesced loads) was slower: 2.5-5.2 us (64e566b).
+// rounds at E_l = 896), slower from kernel entry to the schedule (MEGAMOE_DIAG_TIMELINE build).
+// A first one-round version that loaded each thread's C entries straight from global memory (C
+// words apart across a warp, 7x the L2 requests of coalesced loads) was slower still
+// (docs/tuning-log.md).
 template <int kThreads, int kBlockN>
 __device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_experts,
                                int max_rows, int m_tiles, int32_t* s_offsets, int32_t* s_prefix) {

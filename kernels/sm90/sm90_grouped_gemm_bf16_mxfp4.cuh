@@ -11,11 +11,11 @@
 //                             one 1D bulk copy per 64-row weight block (S x 2 KiB), one per scale
 //                             block (S x 128 B) and S 2D TMA boxes of B rows;
 //   math warpgroups:          convert + wgmma (sm90_gemm_mainloop.cuh), then the epilogue of
-//                             the GEMM kind (sm90_gemm_epilogue.cuh); with Cfg::kAsyncEpilogue
-//                             only its first half (results staged in shared memory), the
-//                             producer warpgroup's other warps (3, or 7 with a second
-//                             warpgroup) doing the rest while the math warpgroups run the next
-//                             tile.
+//                             the GEMM kind (sm90_epilogue_l1.cuh, sm90_epilogue_l2.cuh); with
+//                             Cfg::kAsyncEpilogue only its first half (results staged in shared
+//                             memory), the producer warpgroup's other warps (3, or 7 with a
+//                             second warpgroup) doing the rest while the math warpgroups run
+//                             the next tile.
 // Stages are guarded by full (TMA transaction bytes) and empty (one arrive per math thread)
 // mbarriers.
 #pragma once
@@ -24,24 +24,13 @@
 #include <type_traits>
 
 #include "ptx/sm90_ptx.cuh"
+#include "sm90/sm90_diag.hpp"
 #include "sm90/sm90_diag_timeline.cuh"
+#include "sm90/sm90_epilogue_l1.cuh"
+#include "sm90/sm90_epilogue_l2.cuh"
 #include "sm90/sm90_gemm_config.hpp"
-#include "sm90/sm90_gemm_epilogue.cuh"
 #include "sm90/sm90_gemm_mainloop.cuh"
 #include "sm90/sm90_gemm_scheduler.cuh"
-
-// MEGAMOE_DIAG_SPLIT_FREE (measurement builds only, never set by the build files): 1 skips the
-// split-K hand-off (split_k_reduce), so the GEMM benchmark's split rows time the K parts alone.
-#ifndef MEGAMOE_DIAG_SPLIT_FREE
-#define MEGAMOE_DIAG_SPLIT_FREE 0
-#endif
-// MEGAMOE_DIAG_EPILOGUE_FREE (measurement builds only): 1 makes the asynchronous epilogue's
-// warps skip the finishing of each staged block (they still wait for it and hand the staging
-// area back), so the GEMM benchmark's async rows time the mainloop and the staging alone: the
-// epilogue warps' share of a prefill tile (results wrong).
-#ifndef MEGAMOE_DIAG_EPILOGUE_FREE
-#define MEGAMOE_DIAG_EPILOGUE_FREE 0
-#endif
 
 namespace megamoe::sm90 {
 
@@ -115,8 +104,8 @@ __device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
   __threadfence();  // the other parts' stores (ordered before their arrivals) are read below
   // Part by part, all of a part's values at once: one L2 round trip per part.
   // NOTES: the former loop (per value, a runtime loop over the parts) issued its loads one
-  // dependent round trip at a time: 5.4 us per tile finished here (DeepSeek-V3 L1 at T = 1, 2
-  // parts; MEGAMOE_DIAG_TIMELINE build, H200, d3cce03), on the critical path of the last CTAs.
+  // dependent round trip at a time, on the critical path of the last CTAs (DeepSeek-V3 L1 at
+  // T = 1, MEGAMOE_DIAG_TIMELINE build; docs/tuning-log.md).
 #pragma unroll
   for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
 #pragma unroll
@@ -212,8 +201,8 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
   // launched CTAs are spread round-robin over the SMs. A GEMM started while its predecessor still
   // holds SMs gets its CTAs placed on the free SMs first, consecutive blockIdx together: with
   // gather releasing L1 early, DeepSeek-V3 L1 at T = 8 (3.5 tiles per CTA) measured 1.11x slower
-  // (310 -> 343 us; H200, 2081190 and dce201d). Units taken at run time go to whichever CTAs run
-  // first, wherever they were placed.
+  // (docs/tuning-log.md). Units taken at run time go to whichever CTAs run first, wherever they
+  // were placed.
   if (!prefetch) ptx::grid_dependency_wait();
   if constexpr (Cfg::kUseSetMaxNReg) {
     build_schedule_rounds<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows,
@@ -267,17 +256,10 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
               const int mblk = tile.m_block0 + lm;
               const uint16_t* blk = smem_stage + static_cast<size_t>(lm) * Cfg::kBlockN * Cfg::kStagePitch;
               if constexpr (kKind == GemmKind::kL1) {
-                switch (p.activation.kind) {
-                  case ActivationKind::kSwiglu:
-                    finish_l1_block<Cfg, ActivationKind::kSwiglu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                    break;
-                  case ActivationKind::kSitu:
-                    finish_l1_block<Cfg, ActivationKind::kSitu, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                    break;
-                  case ActivationKind::kSwigluOai:
-                    finish_l1_block<Cfg, ActivationKind::kSwigluOai, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                    break;
-                }
+                with_activation_kind(p.activation.kind, [&](auto kind) {
+                  constexpr ActivationKind kAct = decltype(kind)::value;
+                  finish_l1_block<Cfg, kAct, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+                });
               } else {
                 finish_l2_block<Cfg, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
               }
@@ -442,29 +424,15 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
           if (!valid[sub]) continue;
           const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
           if constexpr (kKind == GemmKind::kL1 && Cfg::kStagedEpilogue) {
-            switch (p.activation.kind) {
-              case ActivationKind::kSwiglu:
-                epilogue_l1_staged<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-                break;
-              case ActivationKind::kSitu:
-                epilogue_l1_staged<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-                break;
-              case ActivationKind::kSwigluOai:
-                epilogue_l1_staged<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
-                break;
-            }
+            with_activation_kind(p.activation.kind, [&](auto kind) {
+              constexpr ActivationKind kAct = decltype(kind)::value;
+              epilogue_l1_staged<Cfg, kAct>(p, tile, mblk, acc[sub], smem_stage, wg, tid);
+            });
           } else if constexpr (kKind == GemmKind::kL1) {
-            switch (p.activation.kind) {
-              case ActivationKind::kSwiglu:
-                epilogue_l1<Cfg, ActivationKind::kSwiglu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-                break;
-              case ActivationKind::kSitu:
-                epilogue_l1<Cfg, ActivationKind::kSitu>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-                break;
-              case ActivationKind::kSwigluOai:
-                epilogue_l1<Cfg, ActivationKind::kSwigluOai>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
-                break;
-            }
+            with_activation_kind(p.activation.kind, [&](auto kind) {
+              constexpr ActivationKind kAct = decltype(kind)::value;
+              epilogue_l1<Cfg, kAct>(p, tile, mblk, acc[sub], smem_amax, wg, tid);
+            });
           } else if constexpr (Cfg::kStagedEpilogue) {
             if (p.bias == nullptr) {
               epilogue_l2_staged<Cfg>(p, tile, mblk, acc[sub], smem_stage, wg, tid);

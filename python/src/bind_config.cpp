@@ -33,15 +33,6 @@ Activation to_activation(const ActivationArg& act) {
   return a;
 }
 
-const char* kind_name(ActivationKind kind) {
-  switch (kind) {
-    case ActivationKind::kSwiglu: return "swiglu";
-    case ActivationKind::kSitu: return "situ";
-    case ActivationKind::kSwigluOai: return "swiglu_oai";
-  }
-  return "unknown";
-}
-
 std::string config_repr(const LayerConfig& c) {
   return detail::concat("LayerConfig(shape=", c.shape.to_string(), ", activation='",
                         c.activation.to_string(), "', ep_size=", c.ep_size, ", ep_rank=", c.ep_rank,
@@ -102,7 +93,7 @@ void register_config(nb::module_& m) {
                   nb::arg("linear_beta") = 25.0f)
       .def_static("swiglu_oai", &Activation::swiglu_oai, nb::arg("alpha") = 1.702f,
                   nb::arg("limit") = 7.0f)
-      .def_prop_ro("kind", [](const Activation& a) { return kind_name(a.kind); })
+      .def_prop_ro("kind", &Activation::name)
       .def_prop_ro("clamp", [](const Activation& a) -> std::optional<float> {
         if (!a.has_clamp) return std::nullopt;
         return a.clamp;

@@ -84,8 +84,11 @@ class WeightsHolder {
 };
 
 // Registration of each binding file (module.cpp calls them in this order).
-// MEGAMOE_CRASH_TRACE=1: native backtrace on SIGSEGV/SIGBUS/SIGILL/SIGABRT (crash_trace.cpp).
+#if defined(MEGAMOE_PY_CRASH_TRACE)
+// Debug builds (-DMEGAMOE_PY_CRASH_TRACE=ON) only; MEGAMOE_CRASH_TRACE=1 at import: native
+// backtrace on SIGSEGV/SIGBUS/SIGILL/SIGABRT (crash_trace.cpp).
 void install_crash_trace();
+#endif
 void register_errors(nb::module_& m);
 void register_formats(nb::module_& m);
 void register_config(nb::module_& m);

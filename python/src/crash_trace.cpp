@@ -1,9 +1,11 @@
 // python/src/crash_trace.cpp: an opt-in native backtrace on a crash of the extension.
 //
-// MEGAMOE_CRASH_TRACE=1 in the environment (read at import) installs SIGSEGV/SIGBUS/SIGILL/SIGABRT
-// handlers that print each native frame as "<object>+0x<offset> <symbol>" to stderr, then
-// re-raise the signal with its default action. Python's faulthandler shows only Python frames;
-// this names the native ones (resolve offsets with `addr2line -f -C -e <object> 0x<offset>`).
+// Compiled only when CMake is configured with -DMEGAMOE_PY_CRASH_TRACE=ON (default OFF: release
+// builds hold no signal handlers). In such a build, MEGAMOE_CRASH_TRACE=1 in the environment
+// (read at import) installs SIGSEGV/SIGBUS/SIGILL/SIGABRT handlers that print each native frame
+// as "<object>+0x<offset> <symbol>" to stderr, then re-raise the signal with its default action.
+// Python's faulthandler shows only Python frames; this names the native ones (resolve offsets
+// with `addr2line -f -C -e <object> 0x<offset>`).
 // A diagnostic for crashes seen on one machine only (issue 6), not a production feature.
 #include <dlfcn.h>
 #include <execinfo.h>

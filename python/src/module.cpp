@@ -42,7 +42,9 @@ void register_runtime(nb::module_& m) {
 NB_MODULE(_megamoe, m) {
   namespace py = megamoe::python;
   m.doc() = "megamoe native extension (thin bindings; the API is the megamoe package)";
-  py::install_crash_trace();  // only with MEGAMOE_CRASH_TRACE=1
+#if defined(MEGAMOE_PY_CRASH_TRACE)
+  py::install_crash_trace();  // acts only with MEGAMOE_CRASH_TRACE=1
+#endif
   py::register_errors(m);
   py::register_runtime(m);
   py::register_formats(m);

@@ -12,7 +12,7 @@
 #include "sm90/sm90_combine.cuh"
 #include "sm90/sm90_gather.cuh"
 #include "sm90/sm90_quantize_input.cuh"
-#include "sm90/sm90_route.cuh"
+#include "sm90/sm90_dispatch.cuh"
 
 namespace megamoe::sm90 {
 
@@ -49,20 +49,20 @@ void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden
                kQuantBlockThreads, 0, stream, programmatic, x, num_chunks, x_q, x_sf);
 }
 
-int route_num_warps(int64_t num_local) {
-  MEGAMOE_CHECK_ARG(num_local > 0, "route: expected num_local_experts > 0, got ", num_local);
+int dispatch_num_warps(int64_t num_local) {
+  MEGAMOE_CHECK_ARG(num_local > 0, "dispatch: expected num_local_experts > 0, got ", num_local);
   const int64_t hist_bytes_per_warp = num_local * static_cast<int64_t>(sizeof(int32_t));
   // Static shared memory of the kernel (warp totals) is small; keep a margin for it.
   constexpr int64_t kStaticSmemMargin = 1024;
   const int64_t budget = cuda::device_info().smem_per_block_optin - kStaticSmemMargin;
-  const int64_t warps = std::min<int64_t>(kRouteMaxWarps, budget / hist_bytes_per_warp);
-  MEGAMOE_CHECK(warps >= 1, ErrorCode::kUnsupported, "route: ", num_local,
+  const int64_t warps = std::min<int64_t>(kDispatchMaxWarps, budget / hist_bytes_per_warp);
+  MEGAMOE_CHECK(warps >= 1, ErrorCode::kUnsupported, "dispatch: ", num_local,
                 " local experts need ", hist_bytes_per_warp,
                 " bytes of shared memory per warp; the device offers ", budget);
   return static_cast<int>(warps);
 }
 
-void configure_route_smem(size_t smem_bytes) {
+void configure_dispatch_smem(size_t smem_bytes) {
   // NOTES: the opt-in limit is a per-function attribute, raised only when a larger value is
   // needed. Sm90Layer sets it at construction, so a forward() captured into a CUDA graph makes no
   // attribute call at all.
@@ -72,30 +72,31 @@ void configure_route_smem(size_t smem_bytes) {
   const int device = cuda::current_device();
   std::lock_guard<std::mutex> lock(mutex);
   if (smem_bytes <= configured[device]) return;
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(sm90_route_topk_kernel,
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(sm90_dispatch_topk_kernel,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem_bytes)));
   configured[device] = smem_bytes;
 }
 
-void launch_route(const RouteParams& params, cudaStream_t stream, bool programmatic) {
+void launch_dispatch(const DispatchParams& params, cudaStream_t stream, bool programmatic) {
   MEGAMOE_CHECK_ARG(params.num_slots >= 0 && params.num_slots <= INT32_MAX,
-                    "route: expected 0 <= T*K <= 2^31-1, got ", params.num_slots);
+                    "dispatch: expected 0 <= T*K <= 2^31-1, got ", params.num_slots);
   MEGAMOE_CHECK_ARG(params.num_local > 0 && params.first_local >= 0 &&
                         params.first_local + params.num_local <= params.num_experts,
-                    "route: local experts [", params.first_local, ", ",
+                    "dispatch: local experts [", params.first_local, ", ",
                     params.first_local + params.num_local, ") do not lie in [0, ",
                     params.num_experts, ")");
   // NOTES: the result does not depend on the warp count (a stable sort is unique), so small
   // calls use fewer warps: at T = 1 the zeroing and scan of 32 histograms of 896 experts were
-  // most of the kernel's time. One warp per kRouteUnroll chunks of 32 slots, at most the limit
+  // most of the kernel's time. One warp per kDispatchUnroll chunks of 32 slots, at most the limit
   // the shared memory allows.
-  const int64_t slots_per_warp = int64_t{kRouteWarpSize} * kRouteUnroll;
+  const int64_t slots_per_warp = int64_t{kDispatchWarpSize} * kDispatchUnroll;
   const int num_warps = static_cast<int>(std::clamp<int64_t>(
-      (params.num_slots + slots_per_warp - 1) / slots_per_warp, 1, route_num_warps(params.num_local)));
+      (params.num_slots + slots_per_warp - 1) / slots_per_warp, 1,
+      dispatch_num_warps(params.num_local)));
   const size_t smem = static_cast<size_t>(num_warps) * params.num_local * sizeof(int32_t);
-  configure_route_smem(smem);
-  cuda::launch(sm90_route_topk_kernel, 1, kRouteMaxWarps * kRouteWarpSize, smem, stream,
+  configure_dispatch_smem(smem);
+  cuda::launch(sm90_dispatch_topk_kernel, 1, kDispatchMaxWarps * kDispatchWarpSize, smem, stream,
                programmatic, params, num_warps);
 }
 

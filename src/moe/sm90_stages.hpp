@@ -1,8 +1,8 @@
 // sm90_stages.hpp: launchers of the non-GEMM stages of the Hopper layer (kernels/sm90/).
 //
 //   quantize  x bf16 [T, H] -> x_q e4m3 [T, H], x_sf ue8m0 [T, H/32]           (numerics.md 2)
-//   route     topk_idx/weights [T, K] -> row_offsets [E_l+1], slot_to_row [T*K],
-//             row_slot / row_weights [T*K]; invalid ids recorded in a RouteError
+//   dispatch  topk_idx/weights [T, K] -> row_offsets [E_l+1], slot_to_row [T*K],
+//             row_slot / row_weights [T*K]; invalid ids recorded in a DispatchError
 //   gather    x_q, x_sf, row_slot -> act bf16 [rows, H] (exact dequantization; L1's B operand)
 //   combine   out bf16 [rows, H], slot_to_row -> y bf16 [T, H]                  (numerics.md 6)
 //
@@ -19,7 +19,7 @@
 #if defined(MEGAMOE_WITH_CUDA)
 #include <cuda_runtime.h>
 
-#include "sm90/sm90_route_types.hpp"
+#include "sm90/sm90_dispatch_types.hpp"
 
 namespace megamoe::sm90 {
 
@@ -28,13 +28,26 @@ void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden
 
 // Largest warp count whose histograms fit in shared memory for `num_local` experts
 // (>= 1; throws kUnsupported when not even one warp's histogram fits).
-int route_num_warps(int64_t num_local);
+int dispatch_num_warps(int64_t num_local);
 
-// Raises the route kernel's dynamic shared-memory limit to at least `smem_bytes` (host call,
-// not a stream operation; launch_route calls it too, Sm90Layer at construction).
-void configure_route_smem(size_t smem_bytes);
+// Raises the dispatch kernel's dynamic shared-memory limit to at least `smem_bytes` (host call,
+// not a stream operation; launch_dispatch calls it too, Sm90Layer at construction).
+void configure_dispatch_smem(size_t smem_bytes);
 
-void launch_route(const RouteParams& params, cudaStream_t stream, bool programmatic = false);
+void launch_dispatch(const DispatchParams& params, cudaStream_t stream, bool programmatic = false);
+
+// Temporary: the stage's former name "route", still used by src/moe/sm90_layer.* until it adopts
+// the dispatch names (issue 27). RouteError is a struct, not an alias, because sm90_layer.hpp
+// forward-declares it; it adds no member, so it has DispatchError's layout.
+struct RouteError : DispatchError {};
+using RouteParams = DispatchParams;
+constexpr unsigned long long kRouteNoError = kDispatchNoError;
+inline int route_num_warps(int64_t num_local) { return dispatch_num_warps(num_local); }
+inline void configure_route_smem(size_t smem_bytes) { configure_dispatch_smem(smem_bytes); }
+inline void launch_route(const DispatchParams& params, cudaStream_t stream,
+                         bool programmatic = false) {
+  launch_dispatch(params, stream, programmatic);
+}
 
 // max_rows: host-known bound on routed rows (T * K).
 void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_offsets,

@@ -20,11 +20,11 @@
 #include <string>
 #include <vector>
 
+#include "examples/kimi_mini/cpp/model.hpp"
 #include "megamoe/checkpoint.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/formats.hpp"
 #include "megamoe/layer.hpp"
-#include "megamoe/model.hpp"
 #include "test_util.hpp"
 
 namespace megamoe::model {

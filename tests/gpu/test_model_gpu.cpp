@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "examples/kimi_mini/cpp/model.hpp"
 #include "megamoe/layer.hpp"
-#include "megamoe/model.hpp"
 
 namespace megamoe::model {
 namespace {

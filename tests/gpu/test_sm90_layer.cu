@@ -35,7 +35,7 @@
 #include "megamoe/reference.hpp"
 #include "megamoe/weights.hpp"
 #include "moe/sm90_layer.hpp"
-#include "sm90/sm90_route_types.hpp"
+#include "sm90/sm90_dispatch_types.hpp"
 #include "sm90_flip_check.hpp"
 #include "sm90_test_util.hpp"
 

@@ -1,4 +1,4 @@
-// Hopper pipeline stages (quantize, route, gather, combine) against their CPU definitions.
+// Hopper pipeline stages (quantize, dispatch, gather, combine) against their CPU definitions.
 // Each stage runs alone through its launcher (src/moe/sm90_stages.hpp); the CPU side is the
 // shared quantizer of megamoe/quantize.hpp or a direct transcription of the stage's contract.
 #include <gtest/gtest.h>
@@ -64,9 +64,9 @@ TEST(Sm90Stages, QuantizeNonFiniteInputs) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// route: the stable counting sort, on the CPU
+// dispatch: the stable counting sort, on the CPU
 // ---------------------------------------------------------------------------------------------
-struct RouteCpu {
+struct DispatchCpu {
   std::vector<int32_t> row_offsets, slot_to_row, row_slot;
   std::vector<float> row_weights;
   int64_t num_bad = 0;
@@ -74,9 +74,9 @@ struct RouteCpu {
   int32_t first_bad_id = 0;
 };
 
-RouteCpu route_cpu(const std::vector<int32_t>& idx, const std::vector<float>& w, int64_t num_experts,
-                   int64_t first_local, int64_t num_local) {
-  RouteCpu r;
+DispatchCpu dispatch_cpu(const std::vector<int32_t>& idx, const std::vector<float>& w,
+                         int64_t num_experts, int64_t first_local, int64_t num_local) {
+  DispatchCpu r;
   const int64_t slots = static_cast<int64_t>(idx.size());
   r.row_offsets.assign(static_cast<size_t>(num_local + 1), 0);
   r.slot_to_row.assign(static_cast<size_t>(slots), -1);
@@ -112,14 +112,14 @@ RouteCpu route_cpu(const std::vector<int32_t>& idx, const std::vector<float>& w,
   return r;
 }
 
-struct RouteCase {
+struct DispatchCase {
   int64_t tokens, num_experts, top_k, ep_size, ep_rank;
   Routing routing;
   double empty_fraction;
   int num_invalid;  // ids planted outside [0, E)
 };
 
-void check_route(const RouteCase& c, uint64_t seed) {
+void check_dispatch(const DispatchCase& c, uint64_t seed) {
   const int64_t num_local = c.num_experts / c.ep_size;
   const int64_t first_local = num_local * c.ep_rank;
   auto routing = test::make_routing(c.routing, c.tokens, c.num_experts, c.top_k, seed,
@@ -130,18 +130,19 @@ void check_route(const RouteCase& c, uint64_t seed) {
     const int64_t s = static_cast<int64_t>(rng.below(slots));
     routing.idx[s] = (i % 2 == 0) ? static_cast<int32_t>(c.num_experts + i) : -7 - i;
   }
-  const RouteCpu ref = route_cpu(routing.idx, routing.weights, c.num_experts, first_local, num_local);
+  const DispatchCpu ref =
+      dispatch_cpu(routing.idx, routing.weights, c.num_experts, first_local, num_local);
 
   DeviceArray<int32_t> didx(routing.idx);
   DeviceArray<float> dw(routing.weights);
   DeviceArray<int32_t> offsets(num_local + 1), s2r(slots), row_slot(slots);
   DeviceArray<float> row_w(slots);
-  DeviceArray<RouteError> err(1);
+  DeviceArray<DispatchError> err(1);
   s2r.fill_bytes(0x5A);
   row_slot.fill_bytes(0x5A);
-  const RouteError clean{kRouteNoError, 0};
+  const DispatchError clean{kDispatchNoError, 0};
   err.upload({clean});
-  RouteParams p{};
+  DispatchParams p{};
   p.topk_idx = didx.get();
   p.topk_weights = dw.get();
   p.num_slots = slots;
@@ -153,7 +154,7 @@ void check_route(const RouteCase& c, uint64_t seed) {
   p.row_slot = row_slot.get();
   p.row_weights = row_w.get();
   p.error = err.get();
-  launch_route(p, nullptr);
+  launch_dispatch(p, nullptr);
   MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
 
   const std::string what = "T=" + std::to_string(c.tokens) + " E=" + std::to_string(c.num_experts) +
@@ -165,23 +166,23 @@ void check_route(const RouteCase& c, uint64_t seed) {
   const int64_t rows = ref.row_offsets.back();
   ASSERT_EQ(row_slot.download(rows), ref.row_slot) << what;
   ASSERT_EQ(row_w.download(rows), ref.row_weights) << what;
-  const RouteError got = err.download()[0];
+  const DispatchError got = err.download()[0];
   EXPECT_EQ(static_cast<int64_t>(got.num_bad), ref.num_bad) << what;
   if (ref.num_bad > 0) {
     EXPECT_EQ(static_cast<int64_t>(got.first_bad >> 32), ref.first_bad_slot) << what;
     EXPECT_EQ(static_cast<int32_t>(got.first_bad & 0xFFFFFFFFu), ref.first_bad_id) << what;
   } else {
-    EXPECT_EQ(got.first_bad, kRouteNoError) << what;
+    EXPECT_EQ(got.first_bad, kDispatchNoError) << what;
   }
 }
 
-TEST(Sm90Stages, RouteMatchesStableCountingSort) {
+TEST(Sm90Stages, DispatchMatchesStableCountingSort) {
   MEGAMOE_REQUIRE_SM90();
   const Routing kinds[] = {Routing::kUniform, Routing::kSkewed, Routing::kAdversarial};
   uint64_t seed = 1;
   for (Routing r : kinds) {
     // small, deepseek-v3, kimi-k3 (EP1: 896 local experts) and kimi-k3 EP8 rank 3.
-    const RouteCase cases[] = {
+    const DispatchCase cases[] = {
         {0, 32, 4, 1, 0, r, 0.0, 0},       {1, 32, 4, 1, 0, r, 0.0, 0},
         {7, 32, 4, 1, 0, r, 0.1, 0},       {513, 32, 4, 1, 0, r, 0.05, 0},
         {64, 256, 8, 1, 0, r, 0.0, 0},     {4096, 256, 8, 1, 0, r, 0.02, 0},
@@ -189,15 +190,15 @@ TEST(Sm90Stages, RouteMatchesStableCountingSort) {
         {513, 896, 16, 8, 3, r, 0.1, 0},   {4096, 896, 16, 8, 3, r, 0.0, 0},
         {8192, 896, 16, 8, 7, r, 0.0, 0},
     };
-    for (const auto& c : cases) check_route(c, seed++);
+    for (const auto& c : cases) check_dispatch(c, seed++);
   }
 }
 
-TEST(Sm90Stages, RouteRecordsInvalidIdsWithoutReadingThem) {
+TEST(Sm90Stages, DispatchRecordsInvalidIdsWithoutReadingThem) {
   MEGAMOE_REQUIRE_SM90();
-  check_route({64, 32, 4, 1, 0, Routing::kUniform, 0.1, 5}, 11);
-  check_route({4096, 896, 16, 8, 2, Routing::kSkewed, 0.0, 33}, 12);
-  check_route({1, 256, 8, 1, 0, Routing::kUniform, 0.0, 1}, 13);
+  check_dispatch({64, 32, 4, 1, 0, Routing::kUniform, 0.1, 5}, 11);
+  check_dispatch({4096, 896, 16, 8, 2, Routing::kSkewed, 0.0, 33}, 12);
+  check_dispatch({1, 256, 8, 1, 0, Routing::kUniform, 0.0, 1}, 13);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -218,7 +219,8 @@ TEST(Sm90Stages, GatherDequantizesRoutedRowsExactly) {
     quantize_input(x.data(), c.tokens, c.hidden, xq.data(), xsf.data());
     auto routing = test::make_routing(c.routing, c.tokens, c.num_experts, c.top_k, seed++, 0.05,
                                       first_local);
-    const RouteCpu ref = route_cpu(routing.idx, routing.weights, c.num_experts, first_local, num_local);
+    const DispatchCpu ref =
+        dispatch_cpu(routing.idx, routing.weights, c.num_experts, first_local, num_local);
     const int64_t slots = c.tokens * c.top_k, rows = ref.row_offsets.back();
 
     DeviceArray<uint8_t> dq(xq), dsf(xsf);
@@ -259,7 +261,7 @@ TEST(Sm90Stages, CombineSumsSlotsInOrderBitForBit) {
   for (const Case& c : cases) {
     const int64_t num_local = c.num_experts / c.ep_size;
     auto routing = test::make_routing(c.routing, c.tokens, c.num_experts, c.top_k, seed, c.empty);
-    const RouteCpu ref = route_cpu(routing.idx, routing.weights, c.num_experts, 0, num_local);
+    const DispatchCpu ref = dispatch_cpu(routing.idx, routing.weights, c.num_experts, 0, num_local);
     const int64_t rows = ref.row_offsets.back();
     // Per-row outputs of unit order with mixed signs, so the summation order matters.
     detail::SplitMix64 rng(seed++);

@@ -5,6 +5,7 @@ a number into the error message crashed in std::num_put (fixed in python/CMakeLi
 linking libstdc++.so.6). Kept as the first thing bench/gpu_session.sh runs in its python step:
 
     MEGAMOE_CRASH_TRACE=1 PYTHONPATH=BUILD/python python3 tests/python/repro_forward_error.py [--torch]
+    (BUILD configured with -DMEGAMOE_PY_CRASH_TRACE=ON for the native backtrace)
     cuda-gdb -batch -ex run -ex bt --args python3 tests/python/repro_forward_error.py
 
 --torch imports torch first (as pytest's collection of test_gpu.py does). Not a pytest module.

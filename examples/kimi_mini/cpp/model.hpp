@@ -1,4 +1,5 @@
-// megamoe/model.hpp: an end-to-end model served by megamoe (examples/kimi_mini), and its gate.
+// model.hpp: an end-to-end model served by megamoe (examples/kimi_mini), and its gate. Built as
+// the library megamoe_example_model, not part of libmegamoe.
 //
 //   auto model = KimiMiniModel::load("examples/kimi_mini");       // config.json + safetensors
 //   auto problems = load_problems("examples/kimi_mini/heldout.jsonl");

@@ -1,6 +1,6 @@
 // The kimi_mini model (examples/kimi_mini): loading, the batched forward with a KV cache, and
 // greedy decoding. The routed experts of every layer run in a megamoe::MoeLayer; everything else
-// is FP32 on the host (model/dense_ops.hpp).
+// is FP32 on the host (dense_ops.hpp).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,14 +13,14 @@
 #include <string>
 #include <vector>
 
+#include "examples/kimi_mini/cpp/dense_ops.hpp"
+#include "examples/kimi_mini/cpp/model.hpp"
 #include "megamoe/checkpoint.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/formats.hpp"
 #include "megamoe/layer.hpp"
-#include "megamoe/model.hpp"
 #include "megamoe/parallel.hpp"
 #include "megamoe/routing.hpp"
-#include "model/dense_ops.hpp"
 
 namespace megamoe::model {
 
@@ -684,7 +684,7 @@ std::string default_model_dir() {
   // build finds the example model of the tree it was built from when run from anywhere.
   const fs::path candidates[] = {
       fs::current_path() / "examples" / "kimi_mini",
-      fs::path(__FILE__).parent_path().parent_path().parent_path() / "examples" / "kimi_mini",
+      fs::path(__FILE__).parent_path().parent_path(),  // examples/kimi_mini/cpp/kimi_mini.cpp
   };
   for (const auto& c : candidates)
     if (fs::exists(c / kConfigFile)) return c.string();

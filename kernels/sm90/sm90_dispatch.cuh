@@ -1,4 +1,5 @@
-// sm90_route.cuh: stage 2 of the layer, routing on the device with no host synchronization.
+// sm90_dispatch.cuh: stage 2 of the layer, dispatch: the per-expert row lists built on the device
+// from the top-k routing, with no host synchronization.
 //
 // Inputs (the caller's device tensors, read once; this is the "staging" of top-k ids/weights):
 //   topk_idx     int32 [T, K]  global expert ids in [0, E) or -1
@@ -8,12 +9,12 @@
 //   slot_to_row  int32 [T * K]     row of slot s = t*K + k, or -1 (empty, other rank, invalid)
 //   row_slot     int32 [rows]      inverse map: the slot a row serves (gather reads token s / K)
 //   row_weights  fp32  [rows]      topk_weights of that slot
-//   error        RouteError        sticky record of invalid ids (see below)
+//   error        DispatchError     sticky record of invalid ids (see below)
 //
 // Placement is a stable counting sort: within an expert, rows follow ascending slot order, so
 // every run places every slot in the same row (bitwise determinism of the whole layer).
 //
-// One CTA, kRouteMaxWarps warps. The slots are cut into one contiguous segment per warp.
+// One CTA, kDispatchMaxWarps warps. The slots are cut into one contiguous segment per warp.
 //   pass 1  each warp counts its segment into its own histogram row hist[w][e] (shared memory)
 //   scan    per expert: exclusive prefix over warps; over experts: block-wide exclusive scan of
 //           the totals -> row_offsets; hist[w][e] becomes the first row of warp w in expert e
@@ -32,7 +33,7 @@
 
 #include <cstdint>
 
-#include "sm90/sm90_route_types.hpp"
+#include "sm90/sm90_dispatch_types.hpp"
 #include "ptx/sm90_ptx.cuh"
 
 namespace megamoe::sm90 {
@@ -40,7 +41,8 @@ namespace megamoe::sm90 {
 
 // Local expert of id `id` (read from slot `slot`), or -1. With kRecord, records invalid ids.
 template <bool kRecord>
-__device__ __forceinline__ int32_t route_local_expert(const RouteParams& p, int32_t id, int64_t slot) {
+__device__ __forceinline__ int32_t dispatch_local_expert(const DispatchParams& p, int32_t id,
+                                                         int64_t slot) {
   if (id == -1) return -1;
   if (id < 0 || id >= p.num_experts) {
     if (kRecord) {
@@ -55,15 +57,15 @@ __device__ __forceinline__ int32_t route_local_expert(const RouteParams& p, int3
   return (local >= 0 && local < p.num_local) ? local : -1;
 }
 
-// Block size kRouteMaxWarps * 32; the first `num_warps` warps take part in the passes.
+// Block size kDispatchMaxWarps * 32; the first `num_warps` warps take part in the passes.
 // Dynamic shared memory: num_warps * num_local int32.
-__global__ void __launch_bounds__(kRouteMaxWarps * kRouteWarpSize)
-sm90_route_topk_kernel(const RouteParams p, int num_warps) {
+__global__ void __launch_bounds__(kDispatchMaxWarps * kDispatchWarpSize)
+sm90_dispatch_topk_kernel(const DispatchParams p, int num_warps) {
   extern __shared__ int32_t hist[];  // [num_warps][num_local]
-  __shared__ int32_t warp_totals[kRouteMaxWarps];
+  __shared__ int32_t warp_totals[kDispatchMaxWarps];
   constexpr unsigned kFullMask = 0xFFFFFFFFu;
-  const int lane = threadIdx.x % kRouteWarpSize;
-  const int warp = threadIdx.x / kRouteWarpSize;
+  const int lane = threadIdx.x % kDispatchWarpSize;
+  const int warp = threadIdx.x / kDispatchWarpSize;
   const int num_local = p.num_local;
   const int hist_size = num_warps * num_local;
   const int64_t segment = (p.num_slots + num_warps - 1) / num_warps;
@@ -75,22 +77,23 @@ sm90_route_topk_kernel(const RouteParams p, int num_warps) {
   __syncthreads();
 
   // ---- pass 1: per-warp histograms ----
-  // NOTES: each lane loads kRouteUnroll ids before using any, so a warp keeps kRouteUnroll loads
-  // in flight; one load at a time left the single CTA latency-bound (~340 us at T*K = 131072).
+  // NOTES: each lane loads kDispatchUnroll ids before using any, so a warp keeps kDispatchUnroll
+  // loads in flight; one load at a time left the single CTA latency-bound (at T*K = 131072).
   if (warp < num_warps) {
     const int64_t begin = warp * segment;
     const int64_t end = min(begin + segment, p.num_slots);
     int32_t* my_hist = hist + warp * num_local;
-    for (int64_t base = begin; base < end; base += kRouteWarpSize * kRouteUnroll) {
-      int32_t ids[kRouteUnroll];
+    for (int64_t base = begin; base < end; base += kDispatchWarpSize * kDispatchUnroll) {
+      int32_t ids[kDispatchUnroll];
 #pragma unroll
-      for (int u = 0; u < kRouteUnroll; ++u) {
-        const int64_t s = base + u * kRouteWarpSize + lane;
+      for (int u = 0; u < kDispatchUnroll; ++u) {
+        const int64_t s = base + u * kDispatchWarpSize + lane;
         ids[u] = s < end ? __ldg(p.topk_idx + s) : -1;
       }
 #pragma unroll
-      for (int u = 0; u < kRouteUnroll; ++u) {
-        const int32_t e = route_local_expert<true>(p, ids[u], base + u * kRouteWarpSize + lane);
+      for (int u = 0; u < kDispatchUnroll; ++u) {
+        const int64_t s = base + u * kDispatchWarpSize + lane;
+        const int32_t e = dispatch_local_expert<true>(p, ids[u], s);
         if (e >= 0) atomicAdd(my_hist + e, 1);
       }
     }
@@ -110,17 +113,17 @@ sm90_route_topk_kernel(const RouteParams p, int num_warps) {
   // Block-wide exclusive scan of local_sum: within warps by shuffles, then over warp totals.
   int32_t inclusive = local_sum;
 #pragma unroll
-  for (int offset = 1; offset < kRouteWarpSize; offset <<= 1) {
+  for (int offset = 1; offset < kDispatchWarpSize; offset <<= 1) {
     const int32_t n = __shfl_up_sync(kFullMask, inclusive, offset);
     if (lane >= offset) inclusive += n;
   }
-  if (lane == kRouteWarpSize - 1) warp_totals[warp] = inclusive;
+  if (lane == kDispatchWarpSize - 1) warp_totals[warp] = inclusive;
   __syncthreads();
-  const int num_block_warps = blockDim.x / kRouteWarpSize;
+  const int num_block_warps = blockDim.x / kDispatchWarpSize;
   if (warp == 0) {
     int32_t t = lane < num_block_warps ? warp_totals[lane] : 0;
 #pragma unroll
-    for (int offset = 1; offset < kRouteWarpSize; offset <<= 1) {
+    for (int offset = 1; offset < kDispatchWarpSize; offset <<= 1) {
       const int32_t n = __shfl_up_sync(kFullMask, t, offset);
       if (lane >= offset) t += n;
     }
@@ -145,21 +148,21 @@ sm90_route_topk_kernel(const RouteParams p, int num_warps) {
     const int64_t end = min(begin + segment, p.num_slots);
     int32_t* my_cursor = hist + warp * num_local;
     const unsigned lanes_below = (1u << lane) - 1u;
-    for (int64_t base = begin; base < end; base += kRouteWarpSize * kRouteUnroll) {
-      int32_t ids[kRouteUnroll];
-      float weights[kRouteUnroll];
+    for (int64_t base = begin; base < end; base += kDispatchWarpSize * kDispatchUnroll) {
+      int32_t ids[kDispatchUnroll];
+      float weights[kDispatchUnroll];
 #pragma unroll
-      for (int u = 0; u < kRouteUnroll; ++u) {
-        const int64_t s = base + u * kRouteWarpSize + lane;
+      for (int u = 0; u < kDispatchUnroll; ++u) {
+        const int64_t s = base + u * kDispatchWarpSize + lane;
         ids[u] = s < end ? __ldg(p.topk_idx + s) : -1;
         weights[u] = s < end ? __ldg(p.topk_weights + s) : 0.0f;
       }
       // Chunks in order: the placement stays stable (ascending slots within an expert).
 #pragma unroll
-      for (int u = 0; u < kRouteUnroll; ++u) {
-        const int64_t s = base + u * kRouteWarpSize + lane;
+      for (int u = 0; u < kDispatchUnroll; ++u) {
+        const int64_t s = base + u * kDispatchWarpSize + lane;
         // Invalid ids were recorded in pass 1; here they only map to -1.
-        const int32_t e = route_local_expert<false>(p, ids[u], s);
+        const int32_t e = dispatch_local_expert<false>(p, ids[u], s);
         const unsigned peers = __match_any_sync(kFullMask, e);
         const int32_t rank = __popc(peers & lanes_below);
         int32_t r = -1;

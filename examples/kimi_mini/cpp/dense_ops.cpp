@@ -1,5 +1,5 @@
 // Dense FP32 operations of the example model (see dense_ops.hpp).
-#include "model/dense_ops.hpp"
+#include "examples/kimi_mini/cpp/dense_ops.hpp"
 
 #include <algorithm>
 #include <cmath>

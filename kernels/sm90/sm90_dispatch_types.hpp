@@ -1,0 +1,35 @@
+// sm90_dispatch_types.hpp: the host/device ABI of the dispatch stage (sm90_dispatch.cuh): the
+// kernel's POD parameter block and the device-side record of invalid expert ids. Host code
+// (launchers, the layer, tests) includes this header, never the kernel itself.
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe::sm90 {
+
+constexpr int kDispatchMaxWarps = 32;
+constexpr int kDispatchWarpSize = 32;
+constexpr int kDispatchUnroll = 8;  // 32-slot chunks whose ids a warp loads before using them
+constexpr unsigned long long kDispatchNoError = ~0ull;
+
+struct DispatchError {
+  // (slot << 32) | uint32(id) of the smallest invalid slot, or kDispatchNoError
+  unsigned long long first_bad;
+  unsigned long long num_bad;    // invalid slots seen since the last reset
+};
+
+struct DispatchParams {
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  int64_t num_slots;        // T * K
+  int32_t num_experts;      // E (global)
+  int32_t first_local;      // global id of local expert 0
+  int32_t num_local;        // E_l
+  int32_t* row_offsets;
+  int32_t* slot_to_row;
+  int32_t* row_slot;
+  float* row_weights;
+  DispatchError* error;
+};
+
+}  // namespace megamoe::sm90
