@@ -57,6 +57,10 @@ struct LayerConfig {
   Activation activation = Activation::swiglu();
   bool fast_math = true;                 // numerics.md section 4
   Sm90Options sm90;                      // Hopper backend options
+  // GPU backends report invalid expert ids found on the device at the next call or at
+  // check_errors(); true makes every call wait for the device and report them at once (a
+  // debugging mode: it cannot be captured in a CUDA graph). The cpu backend always reports at once.
+  bool sync_error_check = false;
 
   int64_t num_local_experts() const { return shape.num_experts / ep_size; }
   int64_t first_local_expert() const { return num_local_experts() * ep_rank; }

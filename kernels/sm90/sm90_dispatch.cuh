@@ -27,8 +27,10 @@
 //
 // Invalid ids (outside [0, E) and not -1) are never used as an index. The slot is treated as
 // empty, and the error record keeps the smallest invalid slot with its id (one 64-bit atomicMin
-// of (slot << 32 | id), so the record is deterministic) plus a count. The host reads it only in
-// Sm90Layer::check_errors(), which synchronizes; forward() itself never waits.
+// of (slot << 32 | id), so the record is deterministic) plus a count, and the host-mapped
+// error_flag is set so that the host sees a pending error without waiting (Sm90Layer checks it
+// at its next forward). The host reads the record only in Sm90Layer::check_errors(), which
+// synchronizes; forward() itself never waits.
 #pragma once
 
 #include <cstdint>
@@ -50,6 +52,10 @@ __device__ __forceinline__ int32_t dispatch_local_expert(const DispatchParams& p
           (static_cast<unsigned long long>(slot) << 32) | static_cast<uint32_t>(id);
       atomicMin(&p.error->first_bad, record);
       atomicAdd(&p.error->num_bad, 1ull);
+      if (p.error_flag != nullptr) {
+        __threadfence_system();  // the record before the flag the host polls
+        *reinterpret_cast<volatile int32_t*>(p.error_flag) = 1;
+      }
     }
     return -1;
   }

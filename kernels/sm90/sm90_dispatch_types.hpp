@@ -30,6 +30,9 @@ struct DispatchParams {
   int32_t* row_slot;
   float* row_weights;
   DispatchError* error;
+  // Optional (may be null): a word of mapped pinned host memory that the kernel sets to 1 when it
+  // records an invalid id, so the host can see that an error is pending without synchronizing.
+  int32_t* error_flag;
 };
 
 }  // namespace megamoe::sm90

@@ -85,9 +85,10 @@ class MoELayer:
         T may be 0 and may not exceed config.max_tokens_per_rank (OutOfRangeError). Wrong dtypes
         raise DTypeError (TypeError); wrong shapes, devices or strides InvalidArgumentError
         (ValueError). An expert id outside [-1, E) raises OutOfRangeError (ValueError) on the
-        cpu backend; the sm90 backend never reads with it, treats the slot as empty and records
-        it on the device (the C++ Sm90Layer::check_errors reports it; MoeLayer does not expose
-        that check yet).
+        cpu backend at once. The sm90 backend never reads with it: it treats the slot as empty,
+        records it on the device and raises OutOfRangeError (naming the first bad token and slot)
+        at the next forward() of this layer, or at check_errors(), without ever waiting in the
+        call itself; with LayerConfig(sync_error_check=True) every call waits and raises at once.
         """
         _arrays.check_array(x, "x")
         y = _arrays.output(out, x, _arrays.shape_of(x), "bfloat16", bf16_like=x)
@@ -100,6 +101,19 @@ class MoELayer:
         return y
 
     __call__ = forward
+
+    def check_errors(self, stream=None, device=None):
+        """Waits for `stream` (default: torch's current stream on the layer's device) and raises
+        OutOfRangeError if a call since the last check met invalid expert ids (the record is
+        cleared). GPU layers detect those on the device and otherwise report them only at the next
+        forward(); call this where you synchronize anyway, e.g. after replaying a CUDA graph. CPU
+        layers raise from forward() itself, so this does nothing there."""
+        handle = 0
+        if stream is not None:
+            handle = int(getattr(stream, "cuda_stream", stream))
+        elif self.device.startswith("cuda") and _arrays._torch() is not None:
+            handle = _arrays._torch().cuda.current_stream(self.device).cuda_stream
+        self._layer.check_errors(handle)
 
     def __repr__(self):
         return (f"MoELayer(backend='{self.backend}', device='{self.device}', "

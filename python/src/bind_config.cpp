@@ -120,7 +120,8 @@ void register_config(nb::module_& m) {
           "__init__",
           [](LayerConfig* self, const ShapeArg& shape, std::optional<ActivationArg> activation,
              int ep_size, int ep_rank, int64_t max_tokens_per_rank, bool fast_math,
-             const std::string& gemm_tile, bool programmatic_launch, const std::string& rows_hint) {
+             const std::string& gemm_tile, bool programmatic_launch, const std::string& rows_hint,
+             bool sync_error_check) {
             LayerConfig c;
             c.shape = to_shape(shape);
             if (activation) {
@@ -135,6 +136,7 @@ void register_config(nb::module_& m) {
             c.sm90.gemm_tile = gemm_tile;
             c.sm90.programmatic_launch = programmatic_launch;
             c.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
+            c.sync_error_check = sync_error_check;
             c.validate();
             new (self) LayerConfig(c);
           },
@@ -142,18 +144,22 @@ void register_config(nb::module_& m) {
           nb::arg("ep_rank") = 0, nb::arg("max_tokens_per_rank") = 8192,
           nb::arg("fast_math") = true, nb::arg("gemm_tile") = "auto",
           nb::arg("programmatic_launch") = true, nb::arg("rows_hint") = "gated",
+          nb::arg("sync_error_check") = false,
           "shape: a LayerShape or a preset name ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b', "
           "'small'). activation: an Activation or a spec string; None takes the preset's "
           "activation when shape is a name, else 'swiglu'. gemm_tile, programmatic_launch, "
           "rows_hint: the Hopper backend's options ('auto', 'serial' or a tile name of "
           "`megamoe bench --list-tiles`; programmatic dependent launch; 'gated', 'bound' or "
-          "'expected'). Validated on construction.")
+          "'expected'). sync_error_check: GPU layers wait for every call and raise invalid expert "
+          "ids at once (debugging; not under CUDA-graph capture); by default they raise them at "
+          "the next call or at MoELayer.check_errors(). Validated on construction.")
       .def_rw("shape", &LayerConfig::shape)
       .def_rw("activation", &LayerConfig::activation)
       .def_rw("ep_size", &LayerConfig::ep_size)
       .def_rw("ep_rank", &LayerConfig::ep_rank)
       .def_rw("max_tokens_per_rank", &LayerConfig::max_tokens_per_rank)
       .def_rw("fast_math", &LayerConfig::fast_math)
+      .def_rw("sync_error_check", &LayerConfig::sync_error_check)
       .def_prop_rw(
           "gemm_tile", [](const LayerConfig& c) { return c.sm90.gemm_tile; },
           [](LayerConfig& c, const std::string& v) { c.sm90.gemm_tile = v; })

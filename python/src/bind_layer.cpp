@@ -85,6 +85,12 @@ void register_layer(nb::module_& m) {
            nb::arg("backend") = kAutoBackend)
       .def("forward", &forward, nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"),
            nb::arg("y"), nb::arg("stream") = 0)
+      .def(
+          "check_errors",
+          [](MoeLayer& layer, uintptr_t stream) {
+            without_gil([&] { layer.check_errors(reinterpret_cast<void*>(stream)); });
+          },
+          nb::arg("stream") = 0)
       .def_prop_ro("config", &MoeLayer::config, nb::rv_policy::copy)
       .def_prop_ro("backend", &MoeLayer::backend)
       .def_prop_ro("device", [](const MoeLayer& l) { return device_name(l.device()); })

@@ -90,7 +90,8 @@ const char* to_string(RowsHintMode mode) {
 void LayerConfig::validate() const {
   shape.validate();
   (void)sm90::parse_tile_request(sm90.gemm_tile);  // throws naming the valid tiles
-  MEGAMOE_CHECK_ARG(static_cast<int>(sm90.rows_hint) >= 0 && static_cast<int>(sm90.rows_hint) <= 2,
+  constexpr auto kLastRowsHint = static_cast<unsigned>(RowsHintMode::kExpected);
+  MEGAMOE_CHECK_ARG(static_cast<unsigned>(sm90.rows_hint) <= kLastRowsHint,
                     "config: sm90.rows_hint: expected gated, bound or expected, got value ",
                     static_cast<int>(sm90.rows_hint));
   MEGAMOE_CHECK_ARG(ep_size >= 1, "config: ep_size must be >= 1, got ", ep_size);

@@ -16,6 +16,12 @@ namespace megamoe::sm90 {
 
 namespace {
 
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  MEGAMOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 // Every workspace region starts on a 256-byte boundary (TMA needs 16, wide loads 16; 256 keeps
 // regions on separate cache-line groups).
 constexpr int64_t kWorkspaceAlign = 256;
@@ -58,7 +64,7 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   v.h_q = carver.take<uint8_t>(rows * inter);
   v.h_sf = carver.take<uint8_t>(rows * inter / kScaleBlock);
   v.h_act = carver.take<uint16_t>(rows * inter);
-  v.error = carver.take<RouteError>(1);
+  v.error = carver.take<DispatchError>(1);
   // Split-K partials and counters (decode launches with few tiles; the memset below zeroes the
   // counters once, every launch leaves them zero).
   v.split_k.partial_floats = split_k_partial_floats();
@@ -93,7 +99,7 @@ RowsHint rows_hint(const LayerConfig& c, int64_t num_tokens, int64_t slots) {
 const char* stage_name(Stage stage) {
   switch (stage) {
     case Stage::kQuantize: return "quantize";
-    case Stage::kRoute: return "route";
+    case Stage::kDispatch: return "dispatch";
     case Stage::kGather: return "gather";
     case Stage::kL1: return "l1";
     case Stage::kL2: return "l2";
@@ -171,8 +177,9 @@ void Sm90Layer::init_workspace() {
                     " exceeds the int32 row index range");
   // Throws when the histograms cannot fit; raises the kernel's shared-memory limit now so that
   // forward() makes no attribute call (graph capture).
-  const int route_warps = route_num_warps(config_.num_local_experts());
-  configure_route_smem(static_cast<size_t>(route_warps) * config_.num_local_experts() * sizeof(int32_t));
+  const int dispatch_warps = dispatch_num_warps(config_.num_local_experts());
+  configure_dispatch_smem(static_cast<size_t>(dispatch_warps) * config_.num_local_experts() *
+                          sizeof(int32_t));
 
   // ---- workspace, once, for the capacity ----
   const Device here = Device::cuda(device_);
@@ -183,15 +190,25 @@ void Sm90Layer::init_workspace() {
   view_ = carve(workspace_.as<uint8_t>(), config_, max_rows_, &bytes);
   // Slack rows are read (never written back) by GEMM tiles past the last row: keep them finite.
   MEGAMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, static_cast<size_t>(bytes)));
-  const RouteError clean{kRouteNoError, 0};
+  const DispatchError clean{kDispatchNoError, 0};
   MEGAMOE_CUDA_CHECK(cudaMemcpy(view_.error, &clean, sizeof clean, cudaMemcpyHostToDevice));
+  // The pending-error word: mapped pinned host memory the dispatch kernel sets (check_errors).
+  void* flag = nullptr;
+  MEGAMOE_CUDA_CHECK(cudaHostAlloc(&flag, sizeof(int32_t), cudaHostAllocMapped));
+  error_flag_host_ = static_cast<volatile int32_t*>(flag);
+  *error_flag_host_ = 0;
+  void* flag_dev = nullptr;
+  MEGAMOE_CUDA_CHECK(cudaHostGetDevicePointer(&flag_dev, flag, 0));
+  error_flag_dev_ = static_cast<int32_t*>(flag_dev);
   // The scales decide between the GEMMs' overlapped tiles (one multiply per converted register,
   // scale bytes < 128) and the serial ones (any scale): read once here, not per call.
   w13_small_scales_ = scales_all_small(weights_->w13_sf.as<uint8_t>(), weights_->w13_sf.size(), nullptr);
   w2_small_scales_ = scales_all_small(weights_->w2_sf.as<uint8_t>(), weights_->w2_sf.size(), nullptr);
 }
 
-Sm90Layer::~Sm90Layer() = default;
+Sm90Layer::~Sm90Layer() {
+  if (error_flag_host_ != nullptr) cudaFreeHost(const_cast<int32_t*>(error_flag_host_));
+}
 
 void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                         int64_t num_tokens, uint16_t* y, cudaStream_t stream, Stage last) {
@@ -214,7 +231,12 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   launch_quantize_input(x, num_tokens, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
   if (done(Stage::kQuantize)) return;
 
-  RouteParams rp{};
+  // An invalid expert id seen by an earlier call (the flag is host memory: no wait) is reported
+  // now, before anything is launched; under graph capture nothing may synchronize, so the check
+  // waits for check_errors() or the next eager call.
+  if (*error_flag_host_ != 0 && !capturing(stream)) check_errors(stream);
+
+  DispatchParams rp{};
   rp.topk_idx = topk_idx;
   rp.topk_weights = topk_weights;
   rp.num_slots = slots;
@@ -226,8 +248,9 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   rp.row_slot = view_.row_slot;
   rp.row_weights = view_.row_weights;
   rp.error = view_.error;
-  launch_route(rp, stream, pdl);
-  if (done(Stage::kRoute)) return;
+  rp.error_flag = error_flag_dev_;
+  launch_dispatch(rp, stream, pdl);
+  if (done(Stage::kDispatch)) return;
 
   launch_gather(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local, s.top_k,
                 s.hidden, slots, view_.act, stream, pdl);
@@ -281,14 +304,22 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   if (done(Stage::kL2)) return;
 
   launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream, pdl);
+  if (config_.sync_error_check) {
+    MEGAMOE_CHECK_ARG(!capturing(stream), "forward: config.sync_error_check waits for every call, "
+                      "which a stream under CUDA-graph capture cannot; turn it off to capture");
+    check_errors(stream);
+  }
 }
+
+bool Sm90Layer::error_pending() const { return *error_flag_host_ != 0; }
 
 void Sm90Layer::check_errors(cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  RouteError record{};
+  DispatchError record{};
   MEGAMOE_CUDA_CHECK(cudaMemcpy(&record, view_.error, sizeof record, cudaMemcpyDeviceToHost));
+  *error_flag_host_ = 0;
   if (record.num_bad == 0) return;
-  const RouteError clean{kRouteNoError, 0};
+  const DispatchError clean{kDispatchNoError, 0};
   MEGAMOE_CUDA_CHECK(cudaMemcpy(view_.error, &clean, sizeof clean, cudaMemcpyHostToDevice));
   const int64_t slot = static_cast<int64_t>(record.first_bad >> 32);
   const int32_t id = static_cast<int32_t>(static_cast<uint32_t>(record.first_bad & 0xFFFFFFFFu));

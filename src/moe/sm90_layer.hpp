@@ -3,7 +3,7 @@
 //
 //   stage      kernel (kernels/sm90/)                   writes (workspace)
 //   quantize   sm90_quantize_input.cuh                  x_q [T, H] e4m3, x_sf [T, H/32]
-//   route      sm90_route.cuh                           row_offsets, slot_to_row, row_slot, row_weights
+//   dispatch   sm90_dispatch.cuh                        row_offsets, slot_to_row, row_slot, row_weights
 //   gather     sm90_gather.cuh                          act [rows, H] bf16 (exact dequantized x_q)
 //   l1         sm90::launch_l1 (grouped GEMM + epilogue) h_q, h_sf, h_act
 //   l2         sm90::launch_l2 (grouped GEMM)           out [rows, H] bf16 (aliases act)
@@ -14,10 +14,12 @@
 // expert in ascending slot order (deterministic).
 //
 // Invalid expert ids (outside [0, E), not -1) are never used as indices: their slots count as
-// empty, and the route kernel records them in device memory. check_errors() synchronizes the
-// stream, reads that record, clears it and throws kOutOfRange naming the first bad token/slot.
-// MoeLayer calls it after each forward on its synchronous entry points; stream users call it
-// whenever they synchronize anyway (docs/design.md, "Errors raised inside a layer call").
+// empty, and the dispatch kernel records them in device memory and raises a flag in mapped host
+// memory. They are reported (kOutOfRange naming the first bad token/slot) by check_errors(),
+// which synchronizes the stream, reads and clears the record; by the next forward(), which
+// reads the flag without waiting and, when it is up, calls check_errors() before launching
+// anything; and, with config.sync_error_check, by the call itself (docs/design.md, "Errors
+// raised inside a layer call").
 #pragma once
 
 #include <cstdint>
@@ -33,12 +35,12 @@
 
 namespace megamoe::sm90 {
 
-struct RouteError;
+struct DispatchError;
 
 // The weight layout the Hopper kernels read (src/prep/sm90_layout.*, docs/layouts.md).
 constexpr const char* kSm90LayoutName = "sm90";
 
-enum class Stage : int { kQuantize = 0, kRoute, kGather, kL1, kL2, kCombine };
+enum class Stage : int { kQuantize = 0, kDispatch, kGather, kL1, kL2, kCombine };
 constexpr int kNumLayerStages = 6;
 const char* stage_name(Stage stage);
 
@@ -56,7 +58,7 @@ struct WorkspaceView {
   uint8_t* h_q = nullptr;          // [rows, I]
   uint8_t* h_sf = nullptr;         // [rows, I/32]
   uint16_t* h_act = nullptr;       // [rows, I]
-  RouteError* error = nullptr;
+  DispatchError* error = nullptr;
   SplitKWorkspace split_k;         // L1 and L2 in turn (one stream); counters zeroed once
 };
 
@@ -85,6 +87,9 @@ class Sm90Layer {
   // Synchronizes `stream`, then throws kOutOfRange if a forward since the last check saw invalid
   // expert ids (the record is cleared first, so the next check starts clean).
   void check_errors(cudaStream_t stream);
+  // Whether a finished kernel has recorded an invalid expert id that no check has reported yet
+  // (reads host memory; never waits, so a call still running may not show up yet).
+  bool error_pending() const;
 
   // Programmatic dependent launch of the six kernels (runtime/cuda_launch.hpp; docs/design.md):
   // each waits for its predecessor on the device, some start before it ends; results are the
@@ -119,6 +124,8 @@ class Sm90Layer {
   bool w2_small_scales_ = false;
   bool programmatic_ = true;
   TileRequest tile_;
+  volatile int32_t* error_flag_host_ = nullptr;  // mapped pinned host memory (DispatchParams)
+  int32_t* error_flag_dev_ = nullptr;
 };
 
 }  // namespace megamoe::sm90

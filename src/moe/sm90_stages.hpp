@@ -36,19 +36,6 @@ void configure_dispatch_smem(size_t smem_bytes);
 
 void launch_dispatch(const DispatchParams& params, cudaStream_t stream, bool programmatic = false);
 
-// Temporary: the stage's former name "route", still used by src/moe/sm90_layer.* until it adopts
-// the dispatch names (issue 27). RouteError is a struct, not an alias, because sm90_layer.hpp
-// forward-declares it; it adds no member, so it has DispatchError's layout.
-struct RouteError : DispatchError {};
-using RouteParams = DispatchParams;
-constexpr unsigned long long kRouteNoError = kDispatchNoError;
-inline int route_num_warps(int64_t num_local) { return dispatch_num_warps(num_local); }
-inline void configure_route_smem(size_t smem_bytes) { configure_dispatch_smem(smem_bytes); }
-inline void launch_route(const DispatchParams& params, cudaStream_t stream,
-                         bool programmatic = false) {
-  launch_dispatch(params, stream, programmatic);
-}
-
 // max_rows: host-known bound on routed rows (T * K).
 void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_offsets,
                    const int32_t* row_slot, int64_t num_local, int64_t top_k, int64_t hidden,

@@ -696,9 +696,41 @@ TEST(Sm90Layer, InvalidExpertIdsAreReportedAndTreatedAsEmpty) {
     EXPECT_NE(msg.find("2 invalid slot"), std::string::npos) << msg;
   }
   layer->check_errors(nullptr);  // cleared: no throw
+  EXPECT_FALSE(layer->error_pending());
   layer->forward(dx.get(), dclean.get(), dw.get(), c.tokens, dy_clean.get(), nullptr);
   layer->check_errors(nullptr);
   EXPECT_EQ(dy.download(), dy_clean.download()) << "invalid slots must act as empty (-1) slots";
+
+  // Without a check in between, the next call reports it (after the bad call has finished: the
+  // host sees the flag without waiting) and launches nothing: y keeps its poison.
+  layer->forward(dx.get(), didx.get(), dw.get(), c.tokens, dy.get(), nullptr);
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(layer->error_pending());
+  DeviceArray<uint16_t> dy_next(c.tokens * s.hidden);
+  dy_next.fill_bytes(0x7F);
+  try {
+    layer->forward(dx.get(), dclean.get(), dw.get(), c.tokens, dy_next.get(), nullptr);
+    ADD_FAILURE() << "the next forward did not report the earlier call's invalid expert ids";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
+    EXPECT_NE(std::string(e.what()).find("token 3 slot 1"), std::string::npos) << e.what();
+  }
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(dy_next.download(), std::vector<uint16_t>(c.tokens * s.hidden, 0x7F7F))
+      << "the reporting call launched its kernels";
+  EXPECT_FALSE(layer->error_pending());
+  layer->forward(dx.get(), dclean.get(), dw.get(), c.tokens, dy_next.get(), nullptr);  // clean again
+  layer->check_errors(nullptr);
+  EXPECT_EQ(dy_next.download(), dy_clean.download());
+
+  // Opt-in synchronous checking: the bad call itself throws.
+  LayerConfig sync_config = config;
+  sync_config.sync_error_check = true;
+  const ShapeData& sd = shape_data(c.shape, c.ep_size, c.ep_rank, c.bias);
+  Sm90Layer sync_layer(sync_config, &sd.prepared);
+  sync_layer.forward(dx.get(), dclean.get(), dw.get(), c.tokens, dy_next.get(), nullptr);
+  EXPECT_THROW(sync_layer.forward(dx.get(), didx.get(), dw.get(), c.tokens, dy.get(), nullptr), Error);
+  sync_layer.check_errors(nullptr);  // reported and cleared by the call
 
   // T above capacity: a host-side error before anything is launched.
   EXPECT_THROW(layer->forward(dx.get(), didx.get(), dw.get(), kCapacity + 1, dy.get(), nullptr), Error);

@@ -240,3 +240,50 @@ def test_wrong_devices(small):
         cpu_layer.forward(xt, it, wt)
     with pytest.raises(ValueError, match="expected a cpu array"):
         megamoe.quantize_input(xt)  # the codecs run on the host
+
+
+def test_invalid_ids_raise_at_next_call_and_check_errors():
+    cfg = megamoe.LayerConfig("small", max_tokens_per_rank=TOKENS)
+    layer = megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, SEED), backend="sm90")
+    x, idx, w = _workload(cfg)
+    xt, it, wt = _cuda_inputs(x, idx, w)
+    bad = it.clone()
+    bad[3, 1] = cfg.shape.num_experts  # one past the end
+    layer(xt, bad, wt)  # returns without waiting
+    with pytest.raises(megamoe.OutOfRangeError, match="token 3 slot 1"):
+        layer.check_errors()
+    layer.check_errors()  # cleared
+    layer(xt, bad, wt)
+    torch.cuda.synchronize()
+    with pytest.raises(megamoe.OutOfRangeError, match="token 3 slot 1"):
+        layer(xt, it, wt)  # the next call reports the earlier one
+    layer(xt, it, wt)
+    layer.check_errors()
+    # Opt-in synchronous checking: the bad call raises itself.
+    sync_cfg = megamoe.LayerConfig("small", max_tokens_per_rank=TOKENS, sync_error_check=True)
+    assert sync_cfg.sync_error_check
+    sync_layer = megamoe.MoELayer(sync_cfg, megamoe.synthetic_weights(sync_cfg, SEED), backend="sm90")
+    sync_layer(xt, it, wt)
+    with pytest.raises(megamoe.OutOfRangeError, match="token 3 slot 1"):
+        sync_layer(xt, bad, wt)
+
+
+def test_tile_options_change_nothing_but_speed():
+    """LayerConfig's Hopper options in one process: the serial tiles, a forced tile and plain
+    launches give the reference's function (bits may differ with the tile: FP32 summation order)."""
+    base = megamoe.LayerConfig("small", max_tokens_per_rank=TOKENS)
+    x, idx, w = _workload(base, seed=41)
+    xt, it, wt = _cuda_inputs(x, idx, w)
+    ref = _bits(megamoe.MoELayer(base, megamoe.synthetic_weights(base, SEED), backend="sm90")(xt, it, wt))
+    for kwargs in ({"gemm_tile": "serial"}, {"gemm_tile": "decode_128x16_k2_warp"},
+                   {"programmatic_launch": False}, {"rows_hint": "bound"}):
+        cfg = megamoe.LayerConfig("small", max_tokens_per_rank=TOKENS, **kwargs)
+        y = _bits(megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, SEED), backend="sm90")(xt, it, wt))
+        if "gemm_tile" in kwargs:
+            d = megamoe.diff_metric(megamoe.bf16_to_f32(y).astype(np.float64),
+                                    megamoe.bf16_to_f32(ref).astype(np.float64))
+            assert d < 1e-4, (kwargs, d)  # FP32 summation order only
+        else:
+            np.testing.assert_array_equal(y, ref, err_msg=str(kwargs))
+    with pytest.raises(megamoe.InvalidArgumentError, match="prefill_256x128_k2_staged"):
+        megamoe.LayerConfig("small", gemm_tile="prefill_256x128")

@@ -338,3 +338,21 @@ def test_invalid_configs():
         megamoe.LayerShape(hidden=100, intermediate=64, num_experts=8, top_k=2)
     with pytest.raises(ValueError):
         megamoe.LayerConfig("small", ep_size=3)  # 3 does not divide E = 32
+
+
+def test_hopper_options_are_layer_options():
+    cfg = megamoe.LayerConfig("small")
+    assert (cfg.gemm_tile, cfg.programmatic_launch, cfg.rows_hint, cfg.sync_error_check) == (
+        "auto", True, "gated", False)
+    cfg = megamoe.LayerConfig("small", gemm_tile="serial", programmatic_launch=False,
+                              rows_hint="expected", sync_error_check=True)
+    assert (cfg.gemm_tile, cfg.programmatic_launch, cfg.rows_hint, cfg.sync_error_check) == (
+        "serial", False, "expected", True)
+    assert "gemm_tile='serial'" in repr(cfg)
+    with pytest.raises(megamoe.InvalidArgumentError, match="decode_128x16_k2_warp"):
+        megamoe.LayerConfig("small", gemm_tile="decode")  # names the tiles it accepts
+    with pytest.raises(megamoe.InvalidArgumentError, match="gated, bound or expected"):
+        megamoe.LayerConfig("small", rows_hint="upper")
+    # A CPU layer takes them (they only concern the Hopper backend) and has nothing to check.
+    layer = megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, 1), backend="cpu")
+    layer.check_errors()
