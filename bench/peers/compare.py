@@ -32,10 +32,12 @@ sys.path.insert(0, HERE)
 
 from common import SHAPES, TOKEN_COUNTS, effective_tflops, floors  # noqa: E402
 
-PEERS = ('torch-bf16', 'deepgemm-fp8', 'deepgemm-mega', 'triton-mxfp4')
+PEERS = ('torch-bf16', 'deepgemm-fp8', 'deepgemm-mega', 'deepgemm-mega-fp4', 'triton-mxfp4',
+         'flashinfer-sm90-mxfp4')
 MEGAMOE_PY = 'megamoe-py'      # megamoe's Python layer on the peers' exact inputs (peer_megamoe.py)
 SYSTEMS = (MEGAMOE_PY,) + PEERS
-JIT_PEERS = ('deepgemm-fp8', 'deepgemm-mega', 'triton-mxfp4')   # compile kernels on first use
+JIT_PEERS = ('deepgemm-fp8', 'deepgemm-mega', 'deepgemm-mega-fp4', 'triton-mxfp4',
+             'flashinfer-sm90-mxfp4')   # compile kernels on first use
 DEFAULT_SHAPES = ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b')
 MEGAMOE = 'megamoe'
 PYLIB = os.path.join(REPO, '.whl', 'pylib')       # extracted pure-Python peers (fetch_wheels.sh)

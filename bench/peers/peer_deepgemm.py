@@ -1,6 +1,6 @@
 """DeepGEMM peers (JIT-compiled with nvcc on first use). The package used is the DeepGEMM that vLLM
 vendors (fetch_wheels.sh: its extension loads with the GPU image's torch 2.11); the SM90 Mega MoE
-adapter also works with an `sgl-deep-gemm` build when one loads there.
+adapters use the source-built one (below).
 
 deepgemm-fp8: the FP8 x FP8 grouped-GEMM chain a serving stack builds from DeepGEMM on Hopper:
   weights: MXFP4 dequantized (exactly) and requantized to E4M3 with FP32 scales per 128 x 128
@@ -11,7 +11,9 @@ deepgemm-fp8: the FP8 x FP8 grouped-GEMM chain a serving stack builds from DeepG
            m_grouped_fp8_gemm_nt_contiguous;
   the dispatch, activation, requantization and combine between them are torch ops, all in the
   same CUDA graph.
-deepgemm-mega: DeepGEMM's SM90 FP8 x FP8 Mega MoE (one fused kernel, swiglu only), run on one rank.
+deepgemm-mega / deepgemm-mega-fp4: DeepGEMM's SM90 FP8 x FP8 and FP8 x MXFP4 Mega MoE (one fused
+  kernel, swiglu only) on one rank, from a deep_gemm built from source on the GPU machine by
+  build_peers.sh (deepseek-ai/DeepGEMM PR #323 head 8ddf7f9: no PyPI wheel of it loads with torch 2.11).
 """
 from __future__ import annotations
 
@@ -188,76 +190,113 @@ class DeepGemmFp8Chain:
         return run
 
 
-class DeepGemmMegaMoe:
-    """DeepGEMM's SM90 FP8 x FP8 Mega MoE on one rank.
+BUILD_ROOT = '/tmp/megamoe_peers_build'          # bench/peers/build_peers.sh builds here
+DG_MEGA_ROOT = os.environ.get('DG_MEGA_ROOT', os.path.join(BUILD_ROOT, 'deepgemm', 'pkg'))
+DG_MEGA_SITE = os.path.join(BUILD_ROOT, 'site')     # apache-tvm-ffi (its binding)
+MEGA_CAPACITY = 8192
 
-    The buffer comes from a one-rank NCCL process group with symmetric memory (the usage DeepGEMM's
-    own SM90 examples follow); where that cannot be set up, from a plain one-rank allocation (the
-    layout DeepGEMM's SM100 path uses for one rank). `buffer_mode` records which one ran."""
+
+def _build_line(name: str) -> str:
+    try:
+        with open(os.path.join(BUILD_ROOT, name)) as f:
+            return f.read().strip()[-500:]
+    except OSError:
+        return 'bench/peers/build_peers.sh did not run in this call'
+
+
+def _import_mega_deep_gemm():
+    """The DeepGEMM with the SM90 Mega MoE, built from source by build_peers.sh (deepseek-ai/DeepGEMM
+    PR #323 head, the sgl-deep-gemm layout, its tvm-ffi binding compiled against the image's torch).
+    It shadows the vLLM-vendored deep_gemm the FP8 chain uses: each peer runs in its own process."""
+    import sys
+    if not os.path.isfile(os.path.join(DG_MEGA_ROOT, 'deep_gemm', '_C.so')):
+        raise ImportError(f'no source-built deep_gemm at {DG_MEGA_ROOT} ({_build_line("deepgemm.line")})')
+    if 'deep_gemm' in sys.modules and not sys.modules['deep_gemm'].__file__.startswith(DG_MEGA_ROOT):
+        raise ImportError(f'another deep_gemm was imported first: {sys.modules["deep_gemm"].__file__}')
+    for path in (DG_MEGA_SITE, DG_MEGA_ROOT):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    import deep_gemm
+    return deep_gemm
+
+
+def _as_torch(t, dtype=None) -> torch.Tensor:
+    """tvm-ffi returns DLPack tensors; the views of the buffer must stay torch tensors."""
+    if not isinstance(t, torch.Tensor):
+        t = torch.utils.dlpack.from_dlpack(t)
+    return t.view(dtype) if dtype is not None and t.dtype != dtype else t
+
+
+class DeepGemmMegaMoe:
+    """DeepGEMM's SM90 FP8 x FP8 Mega MoE (one persistent kernel: dispatch, L1, SwiGLU, FP8 requant,
+    L2, combine) on one rank, after its SM90 pre-dispatch kernel (BF16 x -> E4M3 per 128 channels).
+
+    EP = 1: the buffer is one plain allocation of the size DeepGEMM asks for
+    (`get_symm_buffer_size_for_sm90_mega_moe` with one rank), its own pointer as the one peer
+    pointer: a one-rank group needs no symmetric memory or process group."""
     name = 'deepgemm-mega'
-    description = 'DeepGEMM SM90 FP8xFP8 Mega MoE (fused dispatch/L1/act/L2/combine), one rank'
+    description = ('DeepGEMM SM90 FP8xFP8 Mega MoE (deepseek-ai/DeepGEMM PR #323, built from source), '
+                   'pre-dispatch + fused kernel, one rank, capacity 8192, fast_math default')
     graphable = True
-    # NOTES: the kernel is a template of the token capacity; one capacity for every T keeps it to
-    # one JIT compile per shape; num_tokens_bound lets each call choose its schedule by its own T.
-    capacity = 8192
+    mma = 'fp8'
 
     def __init__(self, shape: Shape, weights: MxWeights):
-        self.dg = _import_deep_gemm()
+        self.dg = _import_mega_deep_gemm()
         self.shape = shape
         self.num_experts = weights.num_experts
-        l1, l2 = requantize_weights(weights)
-        self.l1, self.l2 = self.dg.transform_weights_for_mega_moe_sm90(l1, l2)
-        del l1, l2
-        try:
-            self.sym = self._dist_buffer()
-            self.buffer_mode = 'nccl one-rank group, symmetric memory'
-        except Exception as exc:
-            self.buffer_mode = f'plain one-rank buffer (process group failed: {type(exc).__name__}: {exc})'[:300]
-            self.sym = self._plain_buffer()
+        self.l1, self.l2 = self._prepare_weights(weights)
+        self.sym = self._plain_buffer()
+        self.buffer_mode = 'plain one-rank buffer (no symmetric memory), capacity %d' % self.sym.num_max_tokens_per_rank
 
-    def _dist_buffer(self):
-        import torch.distributed as dist
-        if not dist.is_initialized():
-            # NOTES: a port per process: children run one after another and a closed store's port
-            # can linger in TIME_WAIT.
-            port = 20000 + os.getpid() % 20000
-            dist.init_process_group(backend='nccl', init_method=f'tcp://127.0.0.1:{port}',
-                                    rank=0, world_size=1, device_id=torch.device('cuda:0'))
-        group = dist.new_group([0])
-        return self.dg.get_symm_buffer_for_sm90_mega_moe(
-            group, self.num_experts, self.capacity, self.shape.top_k, self.shape.hidden,
-            self.shape.intermediate, use_fp8_dispatch=True, activation='swiglu')
+    def _prepare_weights(self, weights: MxWeights):
+        # MXFP4 -> BF16 (exact) -> E4M3 per 128 x 128 block, FP32 scales: DeepGEMM's SM90 recipe.
+        l1, l2 = requantize_weights(weights)
+        out = self.dg.transform_weights_for_mega_moe_sm90(l1, l2)
+        del l1, l2
+        return out
 
     def _plain_buffer(self):
         C = self.dg._C
-        align = int(C.get_token_alignment_for_sm90_mega_moe())
-        cap = -(-self.capacity // align) * align
-        args = (1, self.num_experts, cap, self.shape.top_k, self.shape.hidden, self.shape.intermediate,
-                True, 'swiglu')
-        buffer = torch.zeros(int(C.get_symm_buffer_size_for_sm90_mega_moe(*args)), dtype=torch.int8, device='cuda')
-        (x, x_sf, topk_idx, topk_weights, *_rest) = C.slice_symm_buffer_for_sm90_mega_moe(buffer, *args)
+        align = int(C.get_token_alignment_for_mega_moe())
+        cap = -(-MEGA_CAPACITY // align) * align
+        num_bytes, slicer = C.get_symm_buffer_size_for_sm90_mega_moe(
+            1, self.num_experts, cap, self.shape.top_k, self.shape.hidden, self.shape.intermediate, True, 'swiglu')
+        buffer = torch.zeros(int(num_bytes), dtype=torch.int8, device='cuda')
+        x, x_sf, topk_idx, topk_weights, *_rest = slicer(buffer)
         return types.SimpleNamespace(
             buffer=buffer, handle=types.SimpleNamespace(buffer_ptrs=[buffer.data_ptr()]),
             group=types.SimpleNamespace(rank=lambda: 0, size=lambda: 1),
             num_max_tokens_per_rank=cap, num_experts=self.num_experts, num_topk=self.shape.top_k,
-            x=x, x_sf=x_sf, topk_idx=topk_idx, topk_weights=topk_weights)
+            x=_as_torch(x, torch.float8_e4m3fn), x_sf=_as_torch(x_sf), topk_idx=_as_torch(topk_idx),
+            topk_weights=_as_torch(topk_weights))
 
-    @staticmethod
-    def unsupported(shape: Shape) -> Optional[str]:
-        reason = _shape_reason(shape) or unsupported_common()
+    @classmethod
+    def unsupported(cls, shape: Shape) -> Optional[str]:
+        reason = _shape_reason(shape)
         if reason:
             return reason
         if shape.activation != 'swiglu':
             return f'the SM90 Mega MoE implements swiglu only (this shape uses {shape.activation})'
-        import deep_gemm
-        if not (hasattr(deep_gemm, 'fp8_mega_moe') and hasattr(deep_gemm, 'mega_moe_pre_dispatch_sm90')):
-            return (f'the deep_gemm found ({getattr(deep_gemm, "__file__", "?")}) has no SM90 fp8_mega_moe: '
-                    'vLLM\'s vendored DeepGEMM has only the SM100 Mega MoE, and the sgl-deep-gemm wheels '
-                    '(0.1.7..0.2.5), which have the SM90 one, do not load with torch 2.11 (built for a newer torch)')
+        if shape.intermediate // 64 > 64:
+            return f'intermediate = {shape.intermediate}: the SM90 Mega MoE asserts I / 64 <= 64'
+        try:
+            dg = _import_mega_deep_gemm()
+        except Exception as exc:
+            return f'import of the source-built deep_gemm failed: {type(exc).__name__}: {exc}'[:600]
+        if torch.cuda.get_device_capability()[0] != 9:
+            return 'the DeepGEMM SM90 Mega MoE needs a Hopper GPU'
+        need = ('fp8_mega_moe', 'fp8_fp4_mega_moe', 'transform_weights_for_mega_moe_sm90',
+                'mega_moe_pre_dispatch_sm90')
+        missing = [n for n in need if not hasattr(dg, n)]
+        if missing:
+            return f'the deep_gemm at {dg.__file__} lacks {missing}'
         return None
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.l1, *self.l2))
+
+    def _kernel(self, y):
+        self.dg.fp8_mega_moe(y, self.l1, self.l2, self.sym)
 
     def build(self, inp: Inputs) -> Callable[[], torch.Tensor]:
         t_count = inp.num_tokens
@@ -266,11 +305,45 @@ class DeepGemmMegaMoe:
             raise ValueError(f'num_tokens {t_count} above the Mega MoE capacity {sym.num_max_tokens_per_rank}')
         # NOTES: NaN-poisoned, so rows the kernel never writes fail the check.
         y = torch.full((t_count, self.shape.hidden), float('nan'), dtype=torch.bfloat16, device=inp.x.device)
+        x = inp.x.contiguous()
+        idx = inp.topk_idx.to(torch.int32).contiguous()
+        w = inp.topk_weights.to(torch.float32).contiguous()
 
         def run() -> torch.Tensor:
-            self.dg.mega_moe_pre_dispatch_sm90(inp.x, inp.topk_idx, inp.topk_weights, sym.x, sym.x_sf,
-                                               sym.topk_idx, sym.topk_weights, t_count)
-            self.dg.fp8_mega_moe(y, self.l1, self.l2, sym, num_tokens_bound=t_count)
+            # The pre-dispatch kernel (BF16 -> E4M3, per-128 FP32 scales, int64 top-k) is part of the
+            # layer's cost, as in DeepGEMM's own SM90 benchmark and SGLang's integration.
+            self.dg.mega_moe_pre_dispatch_sm90(x, idx, w, sym.x, sym.x_sf, sym.topk_idx, sym.topk_weights, t_count)
+            self._kernel(y)
             return y
 
         return run
+
+
+class DeepGemmMegaMoeFp4(DeepGemmMegaMoe):
+    """DeepGEMM's SM90 FP8 x FP4 Mega MoE (PR #323 head: sgl-project/DeepGEMM PR #53 merged into it):
+    our MXFP4 weights as they are (E2M1 bytes, the UE8M0 scales packed by its transform), FP8
+    activations per 128 channels, the same buffer and pre-dispatch as the FP8 x FP8 kernel."""
+    name = 'deepgemm-mega-fp4'
+    description = ('DeepGEMM SM90 FP8xMXFP4 Mega MoE (deepseek-ai/DeepGEMM PR #323, built from source), '
+                   'MXFP4 weights unchanged, one rank, capacity 8192')
+    mma = 'fp8xfp4'
+
+    def _prepare_weights(self, weights: MxWeights):
+        sf32 = lambda sf: torch.exp2(sf.to(torch.float32) - 127.0)   # UE8M0 -> FP32, exact
+        return self.dg.transform_weights_for_mega_moe_sm90_fp4(
+            (weights.w13.contiguous(), sf32(weights.w13_sf)), (weights.w2.contiguous(), sf32(weights.w2_sf)))
+
+    @classmethod
+    def unsupported(cls, shape: Shape) -> Optional[str]:
+        reason = super().unsupported(shape)
+        if reason:
+            return reason
+        if not hasattr(_import_mega_deep_gemm(), 'transform_weights_for_mega_moe_sm90_fp4'):
+            return 'the source-built deep_gemm lacks transform_weights_for_mega_moe_sm90_fp4'
+        for var in ('DG_USE_FP4_ACTS', 'DG_USE_FP8_COMBINE'):
+            if os.environ.get(var, '0') not in ('', '0'):
+                return f'{var} is set: the SM90 FP8xFP4 Mega MoE asserts it is 0'
+        return None
+
+    def _kernel(self, y):
+        self.dg.fp8_fp4_mega_moe(y, self.l1, self.l2, self.sym)

@@ -38,11 +38,12 @@ MAX_ROTATION_SETS = 4
 
 def peer_classes():
     from peer_torch import TorchBf16Chain
-    from peer_deepgemm import DeepGemmFp8Chain, DeepGemmMegaMoe
+    from peer_deepgemm import DeepGemmFp8Chain, DeepGemmMegaMoe, DeepGemmMegaMoeFp4
     from peer_triton import TritonMatmulOgs
     from peer_megamoe import MegamoePython
-    return {c.name: c for c in (TorchBf16Chain, DeepGemmFp8Chain, DeepGemmMegaMoe, TritonMatmulOgs,
-                                MegamoePython)}
+    from peer_flashinfer import FlashInferSm90Mxfp4
+    return {c.name: c for c in (TorchBf16Chain, DeepGemmFp8Chain, DeepGemmMegaMoe, DeepGemmMegaMoeFp4,
+                                TritonMatmulOgs, FlashInferSm90Mxfp4, MegamoePython)}
 
 
 def input_seed(num_tokens: int, set_index: int) -> int:
@@ -225,7 +226,7 @@ def measure_ceilings(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--peer', help='one of: torch-bf16, deepgemm-fp8, deepgemm-mega, triton-mxfp4, megamoe-py')
+    ap.add_argument('--peer', help='one of: torch-bf16, deepgemm-fp8, deepgemm-mega, deepgemm-mega-fp4, triton-mxfp4, flashinfer-sm90-mxfp4, megamoe-py')
     ap.add_argument('--shape', choices=sorted(SHAPES))
     ap.add_argument('--tokens', default=','.join(map(str, common.TOKEN_COUNTS)))
     ap.add_argument('--out', help='JSON lines file to append to')
