@@ -100,11 +100,8 @@ MEGAMOE_HD float act_clamp_keep_nan(float x, float lo, float hi) {
   return x > hi ? hi : (x < lo ? lo : x);
 }
 
-// The activation of kind kKind (numerics.md section 4); `act` supplies its parameters. The switch
-// is on a compile-time constant, so it folds to one case.
-template <ActivationKind kKind>
 MEGAMOE_HD float apply_activation(const Activation& act, float g, float u, bool fast_math) {
-  switch (kKind) {
+  switch (act.kind) {
     case ActivationKind::kSwiglu: {
       if (act.has_clamp) {
         const float lim = bf16_round(act.clamp);
@@ -129,13 +126,13 @@ MEGAMOE_HD float apply_activation(const Activation& act, float g, float u, bool 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Choosing the activation at run time: the one place where an ActivationKind selects code.
+// Choosing code by the activation: a run-time ActivationKind as a compile-time constant.
 // ---------------------------------------------------------------------------------------------
 template <ActivationKind kKind>
 using ActivationConstant = std::integral_constant<ActivationKind, kKind>;
 
 // Calls f(ActivationConstant<kind>{}) and returns its result: code templated on the kind (the
-// GEMM's L1 epilogue) then holds one activation, not three. An unknown kind calls nothing and
+// GEMM's L1 epilogues) then holds one activation, not three. An unknown kind calls nothing and
 // returns a value-initialized result.
 template <class F>
 MEGAMOE_HD auto with_activation_kind(ActivationKind kind, F&& f)
@@ -147,13 +144,6 @@ MEGAMOE_HD auto with_activation_kind(ActivationKind kind, F&& f)
     case ActivationKind::kSwigluOai: return f(ActivationConstant<ActivationKind::kSwigluOai>{});
   }
   if constexpr (!std::is_void_v<Result>) return Result{};
-}
-
-// The activation of act.kind, chosen at run time (the CPU reference and backend).
-MEGAMOE_HD float apply_activation(const Activation& act, float g, float u, bool fast_math) {
-  return with_activation_kind(act.kind, [&](auto kind) {
-    return apply_activation<decltype(kind)::value>(act, g, u, fast_math);
-  });
 }
 
 }  // namespace megamoe
