@@ -24,6 +24,7 @@
 #include "moe/sm90_gemm.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/cuda_device.hpp"
+#include "sm90/sm90_diag.hpp"
 #include "sm90_gemm_test_util.hpp"
 #include "sm90_test_util.hpp"
 #if MEGAMOE_DIAG_TIMELINE

@@ -12,7 +12,7 @@
 //   one untimed replay enqueued ahead of it (the GPU is busy when the start event is taken); the
 //   time per call is the replay time / rotation; the median and the minimum over replays are
 //   reported.
-// - Per-stage breakdown: graphs of the stage prefixes (quantize; +route; +gather; +L1; +L2;
+// - Per-stage breakdown: graphs of the stage prefixes (quantize; +dispatch; +gather; +L1; +L2;
 //   +combine = the whole layer) are timed the same way; a stage's time is the difference of
 //   consecutive prefixes, so launch gaps are charged to the stage that causes them.
 // - Floors (targets.md, "Lower bounds"): weight bytes of the experts the timed calls hit (counted

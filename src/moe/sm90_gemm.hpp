@@ -106,9 +106,9 @@ struct L1Args {
   // previous kernel of the stream still runs; it builds its tile schedule from row_offsets and
   // issues its first weight copies at once, and waits for that kernel before it reads act /
   // h_act, row_weights or the split-K workspace and before it writes anything. So row_offsets
-  // must not be written by the previous kernel itself: Sm90Layer's route runs two launches
-  // earlier (route, gather, L1, L2), and a megamoe kernel that lets its successor start early
-  // does so only after its own wait, so route has completed when L1 or L2 starts.
+  // must not be written by the previous kernel itself: Sm90Layer's dispatch runs two launches
+  // earlier (dispatch, gather, L1, L2), and a megamoe kernel that lets its successor start early
+  // does so only after its own wait, so dispatch has completed when L1 or L2 starts.
   bool programmatic = false;
 };
 

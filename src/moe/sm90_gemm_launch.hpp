@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moe/sm90_gemm.hpp"
+#include "sm90/sm90_diag.hpp"
 #include "sm90/sm90_gemm_config.hpp"
 
 namespace megamoe::sm90 {
