@@ -393,23 +393,28 @@ TEST(Sm90Layer, SmallAllTokenCountsAndRoutings) {
     }
 }
 
+// The small shape at T tokens with activation `act` (bias for swiglu_oai), uniform routing at
+// T = 64 and skewed otherwise, 10 % empty slots.
+LayerCase small_case(int64_t t, const char* act, bool fast_math, const char* gemm_tile = "auto") {
+  LayerCase c;
+  c.shape = "small";
+  c.tokens = t;
+  c.routing = t == 64 ? Routing::kUniform : Routing::kSkewed;
+  c.activation = act;
+  c.bias = std::string(act) == "swiglu_oai";
+  c.fast_math = fast_math;
+  c.empty_fraction = 0.1;
+  c.gemm_tile = gemm_tile;
+  return c;
+}
+
 TEST(Sm90Layer, SmallAllActivationsBothMathModes) {
   MEGAMOE_REQUIRE_SM90();
   const char* acts[] = {"swiglu", "swiglu:clamp=7", "situ", "swiglu_oai"};
   uint64_t seed = 100;
   for (const char* a : acts)
     for (bool fast : {true, false})
-      for (int64_t t : {int64_t(64), int64_t(513)}) {
-        LayerCase c;
-        c.shape = "small";
-        c.tokens = t;
-        c.routing = t == 64 ? Routing::kUniform : Routing::kSkewed;
-        c.activation = a;
-        c.bias = std::string(a) == "swiglu_oai";
-        c.fast_math = fast;
-        c.empty_fraction = 0.1;
-        run_case(c, seed++);
-      }
+      for (int64_t t : {int64_t(64), int64_t(513)}) run_case(small_case(t, a, fast), seed++);
 }
 
 // The layer on the serial-mainloop tiles (LayerConfig::sm90.gemm_tile = "serial", what the policy
@@ -420,17 +425,7 @@ TEST(Sm90Layer, SerialAndForcedTiles) {
   uint64_t seed = 300;
   for (const char* tile : {"serial", "decode_128x16_k2_warp", "prefill_256x128_k2_staged"}) {
     for (int64_t t : {int64_t(1), int64_t(64), int64_t(513)}) {
-      for (const char* a : {"situ", "swiglu_oai"}) {
-        LayerCase c;
-        c.shape = "small";
-        c.tokens = t;
-        c.routing = t == 64 ? Routing::kUniform : Routing::kSkewed;
-        c.activation = a;
-        c.bias = std::string(a) == "swiglu_oai";
-        c.empty_fraction = 0.1;
-        c.gemm_tile = tile;
-        run_case(c, seed++);
-      }
+      for (const char* a : {"situ", "swiglu_oai"}) run_case(small_case(t, a, true, tile), seed++);
     }
   }
 }
