@@ -54,7 +54,7 @@ void print_prepared(const Checkpoint& ckpt) {
               get("megamoe.ep_rank").c_str(), get("megamoe.ep_size").c_str(),
               get("megamoe.source").c_str());
   for (const std::string& prefix : prepared_layer_prefixes(f)) {
-    const MoeWeights w = load_prepared_layer(f, prefix);
+    const MoeWeights w = load_prepared_layer(f, prefix, /*allow_nan_scales=*/true);  // described, not used
     std::printf("  %s: E_l = %lld (experts %lld..%lld), H = %lld, I = %lld, bias %s\n", prefix.c_str(),
                 static_cast<long long>(w.num_local_experts), static_cast<long long>(w.first_expert),
                 static_cast<long long>(w.first_expert + w.num_local_experts - 1),

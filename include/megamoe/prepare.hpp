@@ -214,7 +214,9 @@ PreparedCheckpointReport write_prepared_checkpoint(const Checkpoint& checkpoint,
 // Prefixes of the layers in a prepared file (kFormat when it is not one).
 std::vector<std::string> prepared_layer_prefixes(const SafetensorsFile& file);
 // One layer of a prepared file, in the file's layout (weights.layout says which); every size is
-// checked against the layout (kFormat naming file and tensor).
-MoeWeights load_prepared_layer(const SafetensorsFile& file, std::string_view prefix);
+// checked against the layout (kFormat naming file and tensor), and a UE8M0 scale byte 0xFF (NaN)
+// is kFormat naming the tensor and the expert unless allow_nan_scales.
+MoeWeights load_prepared_layer(const SafetensorsFile& file, std::string_view prefix,
+                               bool allow_nan_scales = false);
 
 }  // namespace megamoe

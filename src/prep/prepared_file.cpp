@@ -9,6 +9,7 @@
 #include "megamoe/error.hpp"
 #include "megamoe/formats.hpp"
 #include "megamoe/prepare.hpp"
+#include "megamoe/weights.hpp"
 
 namespace megamoe {
 
@@ -224,7 +225,8 @@ std::vector<std::string> prepared_layer_prefixes(const SafetensorsFile& file) {
   return out;
 }
 
-MoeWeights load_prepared_layer(const SafetensorsFile& file, std::string_view prefix) {
+MoeWeights load_prepared_layer(const SafetensorsFile& file, std::string_view prefix,
+                               bool allow_nan_scales) {
   const std::vector<LayerMeta> metas = read_layers_meta(file);
   const LayerMeta* m = nullptr;
   for (const auto& x : metas)
@@ -269,6 +271,17 @@ MoeWeights load_prepared_layer(const SafetensorsFile& file, std::string_view pre
     std::memcpy(buf.data(), file.data(t), static_cast<size_t>(t.nbytes()));
   }
   check_weights_layout(w);
+  // As at checkpoint loading: a NaN scale byte would make every token of its expert NaN. Every
+  // layout keeps an expert's scale bytes in its own part of the buffer (a permutation of them).
+  for (WeightBufferKind kind : {WeightBufferKind::kW13Sf, WeightBufferKind::kW2Sf}) {
+    if (allow_nan_scales) break;
+    const ScaleByteHit hit = find_scale_byte(weight_buffer(w, kind), w.num_local_experts, kUe8m0NaN);
+    MEGAMOE_CHECK(!hit.found(), ErrorCode::kFormat, file.path(), ": tensor ",
+                  detail::quote_name(buffer_tensor_name(prefix, kind)),
+                  ": UE8M0 scale byte 0xFF (NaN) in expert ", w.first_expert + hit.expert,
+                  " (byte ", hit.offset, " of its scales in layout '", layout_name,
+                  "'): every token routed to this expert would be NaN (allow_nan_scales accepts it)");
+  }
   return w;
 }
 

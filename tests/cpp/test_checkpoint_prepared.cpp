@@ -197,6 +197,44 @@ TEST(PreparedCheckpoint, MalformedPreparedFilesAreRejected) {
   }
 }
 
+// A NaN scale byte (0xFF) in a prepared file is refused like at checkpoint loading, naming the
+// tensor and the global expert, in every layout; allow_nan_scales loads it.
+TEST(PreparedCheckpoint, NanScalesAreRejectedNamingTensorAndExpert) {
+  TempDir dir;
+  const Checkpoint ckpt = Checkpoint::open(write_kimi(dir, 1));
+  for (const std::string& layout : layout_names()) {
+    if (layout.rfind("test-", 0) == 0) continue;  // layouts registered by other tests
+    SCOPED_TRACE(layout);
+    const std::string good = dir.file(layout + "_good.safetensors");
+    PreparedCheckpointOptions opts;
+    opts.backend = layout;
+    opts.ep_rank = 1;
+    opts.ep_size = 2;  // experts 4..7: the error names the global id
+    write_prepared_checkpoint(ckpt, good, opts);
+    const SafetensorsFile g = SafetensorsFile::open(good);
+    const std::string sf_name = prefix_of(0) + ".experts.w2_sf";
+    SafetensorsWriter w;
+    for (const auto& [k, v] : g.metadata()) w.set_metadata(k, v);
+    std::vector<uint8_t> sf;
+    for (const TensorInfo& t : g.tensors()) {
+      if (t.name != sf_name) {
+        w.add(t.name, t.dtype, t.shape, g.data(t));
+        continue;
+      }
+      sf.assign(g.data(t), g.data(t) + t.nbytes());
+      sf[sf.size() / 2 + 3] = kUe8m0NaN;  // in the third of the rank's four experts: global id 6
+      w.add(t.name, t.dtype, t.shape, sf.data());
+    }
+    ASSERT_FALSE(sf.empty()) << sf_name << " not found";
+    const std::string bad = dir.file(layout + "_nan.safetensors");
+    w.write(bad);
+    const SafetensorsFile f = SafetensorsFile::open(bad);
+    EXPECT_TRUE(throws_error([&] { load_prepared_layer(f, prefix_of(0)); }, ErrorCode::kFormat,
+                             {"w2_sf", "0xFF (NaN) in expert 6"}));
+    EXPECT_EQ(load_prepared_layer(f, prefix_of(0), /*allow_nan_scales=*/true).first_expert, 4);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Inspection statistics
 // ---------------------------------------------------------------------------------------------
