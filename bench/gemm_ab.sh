@@ -15,14 +15,8 @@ mkdir -p "$OUT"
 LOG=$OUT/ab_log.txt
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-[ $# -ge 1 ] || { echo "usage: gemm_ab.sh NAME=PATH [NAME=PATH ...]" >&2; exit 2; }
-declare -A BIN
-names=()
-for a in "$@"; do
-  name=${a%%=*}; path=${a#*=}
-  [ -x "$path" ] || { echo "gemm_ab: $name: no executable at $path" >&2; exit 2; }
-  BIN[$name]=$path; names+=("$name")
-done
+. "$(dirname "$0")/ab_builds.sh"
+ab_builds gemm_ab.sh "$@"
 t0=$(date +%s)
 say() { echo "== +$(( $(date +%s) - t0 ))s $*" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader >>"$LOG"
@@ -35,8 +29,6 @@ for spec in ${AB_TESTS:-}; do
   grep -E "^\[  FAILED|^\[  PASSED|tests? ran|^exit" "$OUT/ab_tests_$name.txt" >>"$LOG"
 done
 
-reversed=()
-for (( i=${#names[@]}-1; i>=0; i-- )); do reversed+=("${names[$i]}"); done
 pass=1
 for order in "${names[*]}" "${reversed[*]}"; do
   for name in $order; do

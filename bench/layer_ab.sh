@@ -12,16 +12,8 @@ set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 ARGS=${LAYER_AB_ARGS:---shape kimi-k3,deepseek-v3 --tokens 1,8,64,512,4096,8192}
-[ $# -ge 1 ] || { echo "usage: layer_ab.sh NAME=PATH [NAME=PATH ...]" >&2; exit 2; }
-names=()
-declare -A BIN
-for a in "$@"; do
-  name=${a%%=*}; path=${a#*=}
-  [ -x "$path" ] || { echo "layer_ab: $name: no executable at $path" >&2; exit 2; }
-  BIN[$name]=$path; names+=("$name")
-done
-reversed=()
-for (( i=${#names[@]}-1; i>=0; i-- )); do reversed+=("${names[$i]}"); done
+. "$(dirname "$0")/ab_builds.sh"
+ab_builds layer_ab.sh "$@"
 pass=1
 for order in "${names[*]}" "${reversed[*]}"; do
   for name in $order; do

@@ -102,16 +102,14 @@ class MoELayer:
 
     __call__ = forward
 
-    def check_errors(self, stream=None, device=None):
+    def check_errors(self, stream=None):
         """Waits for `stream` (default: torch's current stream on the layer's device) and raises
         OutOfRangeError if a call since the last check met invalid expert ids (the record is
         cleared). GPU layers detect those on the device and otherwise report them only at the next
         forward(); call this where you synchronize anyway, e.g. after replaying a CUDA graph. CPU
         layers raise from forward() itself, so this does nothing there."""
-        handle = 0
-        if stream is not None:
-            handle = int(getattr(stream, "cuda_stream", stream))
-        elif self.device.startswith("cuda") and _arrays._torch() is not None:
+        handle = _arrays.cuda_stream(stream)
+        if stream is None and self.device.startswith("cuda") and _arrays._torch() is not None:
             handle = _arrays._torch().cuda.current_stream(self.device).cuda_stream
         self._layer.check_errors(handle)
 

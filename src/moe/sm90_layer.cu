@@ -234,7 +234,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   // An invalid expert id seen by an earlier call (the flag is host memory: no wait) is reported
   // now, before anything is launched; under graph capture nothing may synchronize, so the check
   // waits for check_errors() or the next eager call.
-  if (*error_flag_host_ != 0 && !capturing(stream)) check_errors(stream);
+  if (error_pending() && !capturing(stream)) check_errors(stream);
 
   DispatchParams rp{};
   rp.topk_idx = topk_idx;
