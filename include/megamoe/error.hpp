@@ -18,6 +18,7 @@ enum class ErrorCode {
   kIo,               // open/read/write/mmap failures
   kUnsupported,      // valid request this build or machine cannot serve (no GPU, no CUDA)
   kCuda,             // a CUDA runtime/driver call failed
+  kTimeout,          // another rank of an EP group did not arrive in time (megamoe/ep.hpp)
   kInternal,         // a broken invariant inside megamoe
 };
 

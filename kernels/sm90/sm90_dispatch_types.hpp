@@ -26,10 +26,13 @@ struct DispatchParams {
   int32_t first_local;      // global id of local expert 0
   int32_t num_local;        // E_l
   int32_t* row_offsets;
-  int32_t* slot_to_row;
+  int32_t* slot_to_row;     // may be null (expert parallelism: the source keeps its own map)
   int32_t* row_slot;
   float* row_weights;
   DispatchError* error;
+  // Rows the workspace holds (0: unchecked, T*K always fits); a sort that would place more
+  // leaves every expert empty (expert parallelism: the receive-row capacity).
+  int64_t max_rows;
   // Optional (may be null): a word of mapped pinned host memory that the kernel sets to 1 when it
   // records an invalid id, so the host can see that an error is pending without synchronizing.
   int32_t* error_flag;

@@ -17,8 +17,10 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "megamoe/config.hpp"
+#include "megamoe/ep.hpp"
 #include "megamoe/tensor.hpp"
 #include "megamoe/weights.hpp"
 
@@ -41,6 +43,16 @@ class LayerBackend {
   // slot), clearing the record. Synchronous backends throw from forward and need nothing here.
   virtual void check_errors(void* stream) { (void)stream; }
 
+  // Rows each local expert received in the last call (waits for `stream`); empty when the
+  // backend does not keep them.
+  virtual std::vector<int64_t> expert_rows(void* stream) { return {}; }
+  // The EP group the layer communicates over (null: none). forward() of a layer with a group
+  // also takes calls above the capacity (it must still take part) and throws afterwards.
+  virtual const std::shared_ptr<EpGroup>& ep_group() const {
+    static const std::shared_ptr<EpGroup> none;
+    return none;
+  }
+
   const std::string& name() const { return name_; }
   const LayerConfig& config() const { return config_; }
   const MoeWeights& weights() const { return weights_; }
@@ -59,7 +71,9 @@ std::unique_ptr<LayerBackend> make_cpu_backend(const LayerConfig& config, MoeWei
 #if defined(MEGAMOE_WITH_CUDA)
 // Defined in src/moe/sm90_layer.cu. Prepares `weights` for the sm90 layout on the current
 // device; throws kUnsupported when no compute-capability 9.0 device is present.
-std::unique_ptr<LayerBackend> make_sm90_backend(const LayerConfig& config, MoeWeights&& weights);
+// With `ep` non-null the layer is that rank of the EP group (megamoe/ep.hpp).
+std::unique_ptr<LayerBackend> make_sm90_backend(const LayerConfig& config, MoeWeights&& weights,
+                                                std::shared_ptr<EpGroup> ep = nullptr);
 #endif
 
 }  // namespace megamoe::detail

@@ -45,13 +45,18 @@ std::string sm90_unavailable_reason() {
 }
 
 std::unique_ptr<detail::LayerBackend> make_backend(std::string_view name, const LayerConfig& config,
-                                                   MoeWeights&& weights) {
-  if (name == kBackendCpu) return detail::make_cpu_backend(config, std::move(weights));
+                                                   MoeWeights&& weights,
+                                                   std::shared_ptr<EpGroup> group = nullptr) {
+  if (name == kBackendCpu) {
+    MEGAMOE_CHECK(group == nullptr, ErrorCode::kUnsupported, "MoeLayer: the cpu backend has no "
+                  "expert-parallel communication; an EP group needs the sm90 backend");
+    return detail::make_cpu_backend(config, std::move(weights));
+  }
   if (name == kBackendSm90) {
     const std::string reason = sm90_unavailable_reason();
     MEGAMOE_CHECK(reason.empty(), ErrorCode::kUnsupported, "backend sm90 cannot run here: ", reason);
 #if MEGAMOE_HAS_SM90_BACKEND
-    return detail::make_sm90_backend(config, std::move(weights));
+    return detail::make_sm90_backend(config, std::move(weights), std::move(group));
 #endif
   }
   fail(ErrorCode::kInvalidArgument, "MoeLayer: unknown backend '", name, "' (expected ",
@@ -75,6 +80,16 @@ MoeLayer::MoeLayer(const LayerConfig& config, MoeWeights weights, std::string_vi
   impl_ = make_backend(chosen, config, std::move(weights));
 }
 
+MoeLayer::MoeLayer(const LayerConfig& config, MoeWeights weights, std::shared_ptr<EpGroup> group,
+                   std::string_view backend) {
+  MEGAMOE_CHECK_ARG(group != nullptr, "MoeLayer: the EP group is null");
+  config.validate();
+  weights.check_matches(config);
+  const std::string chosen = backend == kBackendAuto ? available_backends().front()
+                                                     : std::string(backend);
+  impl_ = make_backend(chosen, config, std::move(weights), std::move(group));
+}
+
 MoeLayer::~MoeLayer() = default;
 MoeLayer::MoeLayer(MoeLayer&&) noexcept = default;
 MoeLayer& MoeLayer::operator=(MoeLayer&&) noexcept = default;
@@ -90,7 +105,10 @@ void MoeLayer::forward(const TensorView& x, const TensorView& topk_idx,
   check_tensor("topk_idx", topk_idx, DType::kI32, {num_tokens, k}, dev);
   check_tensor("topk_weights", topk_weights, DType::kF32, {num_tokens, k}, dev);
   check_tensor("y", y, DType::kBF16, {num_tokens, h}, dev);
-  MEGAMOE_CHECK(num_tokens <= cfg.max_tokens_per_rank, ErrorCode::kOutOfRange,
+  // An EP layer takes part in the call above the capacity too (the other ranks wait for it),
+  // then throws the same error.
+  MEGAMOE_CHECK(num_tokens <= cfg.max_tokens_per_rank || impl_->ep_group() != nullptr,
+                ErrorCode::kOutOfRange,
                 "MoeLayer::forward: num_tokens ", num_tokens,
                 " exceeds the layer capacity max_tokens_per_rank = ", cfg.max_tokens_per_rank);
   impl_->forward(x.ptr<const uint16_t>(), topk_idx.ptr<const int32_t>(),
@@ -100,6 +118,16 @@ void MoeLayer::forward(const TensorView& x, const TensorView& topk_idx,
 void MoeLayer::check_errors(void* stream) {
   MEGAMOE_CHECK_ARG(impl_ != nullptr, "MoeLayer::check_errors: this layer was moved from");
   impl_->check_errors(stream);
+}
+
+std::vector<int64_t> MoeLayer::expert_rows(void* stream) {
+  MEGAMOE_CHECK_ARG(impl_ != nullptr, "MoeLayer::expert_rows: this layer was moved from");
+  return impl_->expert_rows(stream);
+}
+
+std::shared_ptr<EpGroup> MoeLayer::ep_group() const {
+  MEGAMOE_CHECK_ARG(impl_ != nullptr, "MoeLayer: this layer was moved from");
+  return impl_->ep_group();
 }
 
 const LayerConfig& MoeLayer::config() const {

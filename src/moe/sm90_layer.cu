@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "ep/ep_group.hpp"
+#include "ep/ep_launch.hpp"
 #include "megamoe/error.hpp"
 #include "moe/sm90_gemm.hpp"
 #include "moe/sm90_stages.hpp"
@@ -153,7 +155,12 @@ Sm90Layer::Sm90Layer(const LayerConfig& config, MoeWeights weights) : config_(co
   init_workspace();
 }
 
-Sm90Layer::Sm90Layer(const LayerConfig& config, const MoeWeights* prepared) : config_(config) {
+Sm90Layer::Sm90Layer(const LayerConfig& config, const MoeWeights* prepared)
+    : Sm90Layer(config, prepared, nullptr) {}
+
+Sm90Layer::Sm90Layer(const LayerConfig& config, const MoeWeights* prepared,
+                     std::shared_ptr<EpGroup> ep)
+    : config_(config), ep_(std::move(ep)) {
   MEGAMOE_CHECK_ARG(prepared != nullptr && prepared->layout == kSm90LayoutName,
                     "Sm90Layer: expected weights in the '", kSm90LayoutName, "' layout");
   weights_ = prepared;
@@ -184,6 +191,14 @@ void Sm90Layer::init_workspace() {
   // ---- workspace, once, for the capacity ----
   const Device here = Device::cuda(device_);
   max_rows_ = slots;
+  if (ep_ != nullptr) {
+    ep_->impl().check_layer(config_);
+    MEGAMOE_CHECK_ARG(ep_->device() == device_, "sm90 backend: the EP group lives on device ",
+                      ep_->device(), ", the layer on ", device_);
+    // Rows are the slots other ranks send here: up to the group's receive capacity.
+    max_rows_ = ep_->max_recv_rows();
+    ep::configure_dispatch(config_.num_local_experts());
+  }
   int64_t bytes = 0;
   carve(nullptr, config_, max_rows_, &bytes);
   workspace_ = Buffer(bytes, here);
@@ -212,6 +227,7 @@ Sm90Layer::~Sm90Layer() {
 
 void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                         int64_t num_tokens, uint16_t* y, cudaStream_t stream, Stage last) {
+  if (ep_ != nullptr) return forward_ep(x, topk_idx, topk_weights, num_tokens, y, stream);
   MEGAMOE_CHECK(num_tokens >= 0 && num_tokens <= config_.max_tokens_per_rank,
                 ErrorCode::kOutOfRange, "forward: expected 0 <= T <= max_tokens_per_rank (",
                 config_.max_tokens_per_rank, "), got T = ", num_tokens);
@@ -311,10 +327,124 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   }
 }
 
+// One rank's layer call under expert parallelism (docs/design.md, "Expert parallelism"):
+//
+//   quantize        x -> x_q, x_sf                         (this rank's tokens)
+//   ep send         rows to the owners' recv_xq/recv_sf, ids and weights to every rank
+//   ep dispatch     wait for every rank's tokens; row lists of the received slots
+//   gather, L1, L2  on the received rows (the one-GPU kernels)
+//   ep return       each row to its source's combine slot t*K + k
+//   ep wait return  wait for every rank's rows
+//   combine         y from this rank's combine slots, ascending k (the one-GPU kernel)
+void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
+                           int64_t num_tokens, uint16_t* y, cudaStream_t stream) {
+  detail::EpGroupImpl& g = ep_->impl();
+  MEGAMOE_CHECK(!g.broken, ErrorCode::kTimeout, "forward: EP rank ", g.rank, " of ", g.size,
+                ": the group timed out in an earlier call and is unusable; recreate it");
+  MEGAMOE_CHECK(num_tokens >= 0, ErrorCode::kOutOfRange, "forward: expected T >= 0, got ",
+                num_tokens);
+  if ((error_pending() || g.error_pending()) && !capturing(stream)) check_errors(stream);
+  const bool over = num_tokens > config_.max_tokens_per_rank;
+  const int64_t t = over ? 0 : num_tokens;  // above capacity: take part with no tokens
+  const LayerShape& s = config_.shape;
+  const int64_t num_local = config_.num_local_experts();
+  const ep::EpParams p = g.params(t, num_tokens, s.num_experts);
+  const ep::WindowLayout& w = p.layout;
+  uint8_t* window = p.peers[g.rank];
+  const bool pdl = programmatic_;
+
+  if (t > 0) launch_quantize_input(x, t, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
+  ep::launch_send(p, view_.x_q, view_.x_sf, topk_idx, topk_weights, view_.slot_to_row, view_.error,
+                  error_flag_dev_, stream, pdl);
+  ep::launch_dispatch(p, view_.row_offsets, view_.row_slot, view_.row_weights, stream, pdl);
+  launch_gather(window + w.recv_xq, window + w.recv_sf, view_.row_offsets, view_.row_slot,
+                num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl);
+
+  // Expected rows: every rank sends about T*K*E_l/E slots here, T*K in all when ranks have
+  // similar T; any local expert may get up to one row per token of every rank.
+  const int64_t hint = std::max<int64_t>(1, t * s.top_k);
+  const int64_t per_expert_max =
+      config_.sm90.rows_hint == RowsHintMode::kGated ? std::min(max_rows_, g.size * std::max<int64_t>(t, 1)) : 0;
+  const int64_t rows_hint = config_.sm90.rows_hint == RowsHintMode::kBound
+                                ? std::min(max_rows_, g.size * std::max<int64_t>(t, 1) * s.top_k)
+                                : hint;
+  L1Args l1;
+  l1.num_experts = static_cast<int>(num_local);
+  l1.hidden = s.hidden;
+  l1.intermediate = s.intermediate;
+  l1.max_rows = max_rows_;
+  l1.rows_hint = rows_hint;
+  l1.rows_per_expert_max = per_expert_max;
+  l1.row_offsets = view_.row_offsets;
+  l1.act = view_.act;
+  l1.row_weights = view_.row_weights;
+  l1.w13 = weights_->w13.as<uint8_t>();
+  l1.w13_sf = weights_->w13_sf.as<uint8_t>();
+  l1.small_scales = w13_small_scales_;
+  l1.w13_bias = weights_->has_bias() ? weights_->w13_bias.as<uint16_t>() : nullptr;
+  l1.activation = config_.activation;
+  l1.fast_math = config_.fast_math;
+  l1.h_q = view_.h_q;
+  l1.h_sf = view_.h_sf;
+  l1.h_act = view_.h_act;
+  l1.split_k = view_.split_k;
+  l1.tile = tile_;
+  l1.programmatic = pdl;
+  launch_l1(l1, stream);
+
+  L2Args l2;
+  l2.num_experts = static_cast<int>(num_local);
+  l2.hidden = s.hidden;
+  l2.intermediate = s.intermediate;
+  l2.max_rows = max_rows_;
+  l2.rows_hint = rows_hint;
+  l2.rows_per_expert_max = per_expert_max;
+  l2.row_offsets = view_.row_offsets;
+  l2.h_act = view_.h_act;
+  l2.row_weights = view_.row_weights;
+  l2.w2 = weights_->w2.as<uint8_t>();
+  l2.w2_sf = weights_->w2_sf.as<uint8_t>();
+  l2.small_scales = w2_small_scales_;
+  l2.w2_bias = weights_->has_bias() ? weights_->w2_bias.as<uint16_t>() : nullptr;
+  l2.out = view_.out;
+  l2.split_k = view_.split_k;
+  l2.tile = tile_;
+  l2.programmatic = pdl;
+  launch_l2(l2, stream);
+
+  ep::launch_return(p, view_.out, view_.row_offsets, view_.row_slot, stream, pdl);
+  ep::launch_wait_return(p, stream, pdl);
+  if (t > 0)
+    launch_combine(reinterpret_cast<const uint16_t*>(window + w.combine), view_.slot_to_row, t,
+                   s.top_k, s.hidden, y, stream, pdl);
+  MEGAMOE_CHECK(!over, ErrorCode::kOutOfRange, "forward: EP rank ", g.rank, " of ", g.size,
+                ": num_tokens ", num_tokens, " exceeds the layer capacity max_tokens_per_rank = ",
+                config_.max_tokens_per_rank, " (this rank took part with no tokens; every other "
+                "rank reports the error at its next check)");
+  if (config_.sync_error_check) {
+    MEGAMOE_CHECK_ARG(!capturing(stream), "forward: config.sync_error_check waits for every call, "
+                      "which a stream under CUDA-graph capture cannot; turn it off to capture");
+    check_errors(stream);
+  }
+}
+
+std::vector<int64_t> Sm90Layer::expert_rows(cudaStream_t stream) const {
+  MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const int64_t n = config_.num_local_experts();
+  std::vector<int32_t> offsets(static_cast<size_t>(n + 1));
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(offsets.data(), view_.row_offsets, sizeof(int32_t) * (n + 1),
+                                cudaMemcpyDeviceToHost));
+  std::vector<int64_t> rows(static_cast<size_t>(n));
+  for (int64_t e = 0; e < n; ++e) rows[e] = offsets[e + 1] - offsets[e];
+  return rows;
+}
+
 bool Sm90Layer::error_pending() const { return *error_flag_host_ != 0; }
 
 void Sm90Layer::check_errors(cudaStream_t stream) {
   MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // Errors of the EP protocol first: they make the call's output invalid on every rank.
+  if (ep_ != nullptr) ep_->impl().check_errors(stream);
   DispatchError record{};
   MEGAMOE_CUDA_CHECK(cudaMemcpy(&record, view_.error, sizeof record, cudaMemcpyDeviceToHost));
   *error_flag_host_ = 0;
@@ -342,9 +472,9 @@ class Sm90Backend final : public LayerBackend {
  public:
   // The LayerBackend base owns the prepared device weights; the layer borrows them (the base is
   // constructed first, and the backend never moves: MoeLayer holds it by unique_ptr).
-  Sm90Backend(const LayerConfig& config, MoeWeights prepared)
+  Sm90Backend(const LayerConfig& config, MoeWeights prepared, std::shared_ptr<EpGroup> ep)
       : LayerBackend("sm90", config, std::move(prepared), Device::cuda(cuda::current_device())),
-        layer_(config_, &weights_) {}
+        layer_(config_, &weights_, std::move(ep)) {}
 
   void forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                int64_t num_tokens, uint16_t* y, void* stream) override {
@@ -357,15 +487,26 @@ class Sm90Backend final : public LayerBackend {
     layer_.check_errors(static_cast<cudaStream_t>(stream));
   }
 
+  std::vector<int64_t> expert_rows(void* stream) override {
+    return layer_.expert_rows(static_cast<cudaStream_t>(stream));
+  }
+  const std::shared_ptr<EpGroup>& ep_group() const override { return layer_.ep_group(); }
+
  private:
   sm90::Sm90Layer layer_;
 };
 
 }  // namespace
 
-std::unique_ptr<LayerBackend> make_sm90_backend(const LayerConfig& config, MoeWeights&& weights) {
+std::unique_ptr<LayerBackend> make_sm90_backend(const LayerConfig& config, MoeWeights&& weights,
+                                                std::shared_ptr<EpGroup> ep) {
+  if (ep != nullptr) {
+    ep->impl().check_layer(config);
+    MEGAMOE_CHECK_ARG(ep->device() == cuda::current_device(), "sm90 backend: the EP group lives on "
+                      "device ", ep->device(), ", the current device is ", cuda::current_device());
+  }
   MoeWeights prepared = sm90::Sm90Layer::prepare_device_weights(config, std::move(weights));
-  return std::make_unique<Sm90Backend>(config, std::move(prepared));
+  return std::make_unique<Sm90Backend>(config, std::move(prepared), std::move(ep));
 }
 
 }  // namespace megamoe::detail

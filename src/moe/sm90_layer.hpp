@@ -23,10 +23,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "megamoe/buffer.hpp"
 #include "megamoe/config.hpp"
+#include "megamoe/ep.hpp"
 #include "megamoe/weights.hpp"
 #include "moe/sm90_gemm.hpp"
 
@@ -71,6 +74,10 @@ class Sm90Layer {
   // (the MoeLayer backend owns them in its LayerBackend base), and their scale bytes must not
   // change under it (the constructor reads whether they are all < 128: w13_small_scales()).
   Sm90Layer(const LayerConfig& config, const MoeWeights* prepared);
+  // The same as one rank of an EP group (megamoe/ep.hpp): forward() then sends the tokens to the
+  // ranks owning their experts and sums the results back (docs/design.md, "Expert
+  // parallelism"). config.ep_size/ep_rank must be the group's size/rank.
+  Sm90Layer(const LayerConfig& config, const MoeWeights* prepared, std::shared_ptr<EpGroup> ep);
 
   // Moves `weights` to the current device in the sm90 layout (see the constructor).
   static MoeWeights prepare_device_weights(const LayerConfig& config, MoeWeights weights);
@@ -79,7 +86,9 @@ class Sm90Layer {
   Sm90Layer& operator=(const Sm90Layer&) = delete;
 
   // x bf16 [T, H], topk_idx int32 [T, K], topk_weights fp32 [T, K], y bf16 [T, H]: device
-  // pointers. Runs the stages up to and including `last` (the benchmark times stage prefixes).
+  // pointers. Runs the stages up to and including `last` (the benchmark times stage prefixes;
+  // an EP layer always runs them all). With an EP group, T above max_tokens_per_rank still takes
+  // part in the call (as T = 0, so no rank waits for it) and then throws kOutOfRange.
   void forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                int64_t num_tokens, uint16_t* y, cudaStream_t stream,
                Stage last = Stage::kCombine);
@@ -90,6 +99,9 @@ class Sm90Layer {
   // Whether a finished kernel has recorded an invalid expert id that no check has reported yet
   // (reads host memory; never waits, so a call still running may not show up yet).
   bool error_pending() const;
+  // Rows each local expert received in the last call (synchronizes `stream`).
+  std::vector<int64_t> expert_rows(cudaStream_t stream) const;
+  const std::shared_ptr<EpGroup>& ep_group() const { return ep_; }
 
   // Programmatic dependent launch of the six kernels (runtime/cuda_launch.hpp; docs/design.md):
   // each waits for its predecessor on the device, some start before it ends; results are the
@@ -112,6 +124,8 @@ class Sm90Layer {
 
  private:
   void init_workspace();
+  void forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
+                  int64_t num_tokens, uint16_t* y, cudaStream_t stream);
 
   LayerConfig config_;
   MoeWeights owned_weights_;           // empty when borrowing
@@ -124,6 +138,7 @@ class Sm90Layer {
   bool w2_small_scales_ = false;
   bool programmatic_ = true;
   TileRequest tile_;
+  std::shared_ptr<EpGroup> ep_;        // null: one GPU (ep_size > 1 computes this rank's slice)
   volatile int32_t* error_flag_host_ = nullptr;  // mapped pinned host memory (DispatchParams)
   int32_t* error_flag_dev_ = nullptr;
 };

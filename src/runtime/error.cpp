@@ -10,6 +10,7 @@ const char* error_code_name(ErrorCode code) {
     case ErrorCode::kIo: return "I/O error";
     case ErrorCode::kUnsupported: return "unsupported";
     case ErrorCode::kCuda: return "CUDA error";
+    case ErrorCode::kTimeout: return "timeout";
     case ErrorCode::kInternal: return "internal error";
   }
   return "error";

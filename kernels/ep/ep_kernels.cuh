@@ -1,0 +1,283 @@
+// ep_kernels.cuh: the expert-parallel stages of a layer call (docs/design.md, "Expert
+// parallelism"); the window layout and parameter block are in ep/ep_protocol.hpp.
+//
+//   ep_send         every source token to the ranks owning its experts; publishes dispatch_sig
+//   ep_dispatch     waits for every rank's dispatch_sig, then the per-local-expert row lists of
+//                   the received slots (the counting sort of sm90_dispatch.cuh)
+//   (gather, L1, L2 of the layer, reading the received rows)
+//   ep_return       every computed row to its source rank's combine slot; publishes return_sig
+//   ep_wait_return  waits for every rank's return_sig
+//   (combine of the layer, over this rank's combine slots)
+//
+// Ordering: data is written with plain stores (to a peer: over NVLink), then each CTA fences at
+// system scope and takes a ticket; the CTA that takes the last ticket fences again and publishes
+// the signal words with release stores. A waiter reads a signal with acquire loads. Only the
+// single-CTA wait kernels spin, and they let their successors launch (PDL) only after the wait,
+// so with several ranks on one GPU a waiting rank never holds more than one CTA's resources.
+#pragma once
+
+#include <cstdint>
+
+#include "ep/ep_protocol.hpp"
+#include "ptx/sm90_ptx.cuh"
+#include "sm90/sm90_dispatch_sort.cuh"
+
+namespace megamoe::ep {
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t global_time_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+template <class T>
+__device__ __forceinline__ T* region(uint8_t* base, int64_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+__device__ __forceinline__ EpLocal* local_state(const EpParams& p) {
+  return region<EpLocal>(p.peers[p.rank], p.layout.local);
+}
+
+// Records the window's first error (later ones only count) and raises the host-visible flag.
+__device__ inline void record_error(const EpParams& p, StatusCode code, Stage stage, int32_t peer,
+                                    uint64_t expected, uint64_t observed) {
+  EpStatus* st = &local_state(p)->status;
+  if (atomicCAS(&st->code, 0, static_cast<int32_t>(code)) == 0) {
+    st->stage = static_cast<int32_t>(stage);
+    st->peer = peer;
+    st->expected = expected;
+    st->observed = observed;
+  }
+  atomicAdd(&st->count, 1);
+  if (code == StatusCode::kTimeout) atomicExch(&local_state(p)->broken, 1u);
+  if (p.error_flag != nullptr) {
+    __threadfence_system();
+    *reinterpret_cast<volatile int32_t*>(p.error_flag) = 1;
+  }
+}
+
+// Waits until `*sig` carries call number `call`; returns its payload, or 0 (and records
+// kTimeout) when the timeout passes first. A broken window (an earlier timeout) checks once.
+__device__ inline uint32_t wait_signal(const EpParams& p, const uint64_t* sig, uint64_t call,
+                                       Stage stage, int32_t peer) {
+  const uint64_t start = global_time_ns();
+  const bool broken = *reinterpret_cast<volatile uint32_t*>(&local_state(p)->broken) != 0;
+  for (;;) {
+    const uint64_t v = ld_acquire_sys(sig);
+    if ((v >> 32) == call) return static_cast<uint32_t>(v);
+    if (broken || global_time_ns() - start > p.timeout_ns) {
+      record_error(p, StatusCode::kTimeout, stage, peer, call, v);
+      return 0;
+    }
+  }
+}
+
+// The last CTA of a grid to call this (after its writes) returns true, with every other CTA's
+// writes ordered before what it does next; it also resets the ticket for the next call.
+__device__ inline bool last_cta(uint32_t* ticket) {
+  __shared__ bool last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    if (last) *ticket = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence_system();
+  return last;
+}
+
+constexpr int kSendThreads = 256;
+constexpr int kSendWarps = kSendThreads / 32;
+
+// One warp per source token (grid-stride). Reads x_q/x_sf (this call's quantized input) and the
+// caller's topk_idx/topk_weights; writes slot_map[t*K + k] (t*K + k for a valid slot, else -1:
+// the combine's row map), invalid ids into `error` (as the one-GPU dispatch does), and for
+// every rank d: the token's ids and weights into d's recv_idx/recv_w (so d never sees a stale
+// id), the token's row and scales into d's recv_xq/recv_sf when d owns one of its experts.
+__global__ void __launch_bounds__(kSendThreads)
+ep_send_kernel(const EpParams p, const uint8_t* __restrict__ x_q, const uint8_t* __restrict__ x_sf,
+               const int32_t* __restrict__ topk_idx, const float* __restrict__ topk_weights,
+               int32_t* __restrict__ slot_map, sm90::DispatchParams errors) {
+  ptx::grid_dependency_wait();  // PDL: the quantized input is complete
+  ptx::launch_dependents();     // the successor (ep_dispatch) is one CTA
+  const WindowLayout& L = p.layout;
+  const int lane = threadIdx.x % 32;
+  const int64_t K = L.top_k, H = L.hidden, sf_row = H / 32;
+  const int64_t src_token0 = static_cast<int64_t>(p.rank) * L.t_max;  // our rows in peers' recv
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kSendWarps + threadIdx.x / 32;
+       t < p.num_tokens; t += static_cast<int64_t>(gridDim.x) * kSendWarps) {
+    uint64_t mask = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      const int64_t k = k0 + lane;
+      int32_t id = -1;
+      float w = 0.0f;
+      if (k < K) {
+        const int64_t slot = t * K + k;
+        id = sm90::dispatch_local_expert<true>(errors, __ldg(topk_idx + slot), slot);
+        // dispatch_local_expert maps to [0, num_local) of `errors` (all experts): a global id.
+        w = __ldg(topk_weights + slot);
+        slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
+        if (id >= 0) mask |= 1ull << (id / p.num_local);
+        const int64_t at = (src_token0 + t) * K + k;
+        for (int d = 0; d < p.size; ++d) {
+          region<int32_t>(p.peers[d], L.recv_idx)[at] = id;
+          region<float>(p.peers[d], L.recv_w)[at] = w;
+        }
+      }
+    }
+    const uint32_t lo = __reduce_or_sync(0xFFFFFFFFu, static_cast<uint32_t>(mask));
+    const uint32_t hi = __reduce_or_sync(0xFFFFFFFFu, static_cast<uint32_t>(mask >> 32));
+    mask = (static_cast<uint64_t>(hi) << 32) | lo;
+    const uint4* row = reinterpret_cast<const uint4*>(x_q + t * H);
+    const uint8_t* sf = x_sf + t * sf_row;
+    while (mask != 0) {
+      const int d = __ffsll(static_cast<long long>(mask)) - 1;
+      mask &= mask - 1;
+      uint4* dst = reinterpret_cast<uint4*>(region<uint8_t>(p.peers[d], L.recv_xq) +
+                                            (src_token0 + t) * H);
+      for (int64_t c = lane; c < H / 16; c += 32) dst[c] = __ldg(row + c);
+      uint8_t* dst_sf = region<uint8_t>(p.peers[d], L.recv_sf) + (src_token0 + t) * sf_row;
+      for (int64_t c = lane; c < sf_row; c += 32) dst_sf[c] = __ldg(sf + c);
+    }
+  }
+  EpLocal* me = local_state(p);
+  if (!last_cta(&me->send_ticket) || threadIdx.x != 0) return;
+  const uint64_t call = me->call + 1;
+  const uint32_t payload = p.called_tokens > L.t_max
+                               ? kPayloadError | (static_cast<uint32_t>(p.called_tokens) & kPayloadMask)
+                               : static_cast<uint32_t>(p.num_tokens);
+  for (int d = 0; d < p.size; ++d)
+    st_release_sys(region<uint64_t>(p.peers[d], L.dispatch_sig) + p.rank, (call << 32) | payload);
+  me->call = call;
+}
+
+// The received slots of the current call, in source-rank order: source s's tokens [0, T_s) with
+// K slots each. A slot's row_slot value is its place in recv_idx: (s*T_max + t)*K + k, so
+// row_slot / K is the token's row in recv_xq (what the gather reads).
+struct ReceivedSlots {
+  static constexpr bool kRecord = false;  // sources send only valid ids or -1
+  const int32_t* recv_idx;
+  const float* recv_w;
+  const int32_t* token_prefix;  // shared memory [R + 1]: received tokens before source s
+  int32_t ranks;
+  int64_t t_max, top_k;
+  __device__ __forceinline__ int64_t place(int64_t v) const {
+    const int32_t u = static_cast<int32_t>(v / top_k);
+    int lo = 0, hi = ranks - 1;  // the source s with token_prefix[s] <= u < token_prefix[s+1]
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (token_prefix[mid] <= u) lo = mid; else hi = mid - 1;
+    }
+    return (lo * t_max + (u - token_prefix[lo])) * top_k + v % top_k;
+  }
+  __device__ __forceinline__ int32_t id(int64_t v) const { return recv_idx[place(v)]; }
+  __device__ __forceinline__ float weight(int64_t v) const { return recv_w[place(v)]; }
+  __device__ __forceinline__ int32_t row_slot(int64_t v) const {
+    return static_cast<int32_t>(place(v));
+  }
+};
+
+// One CTA of kDispatchMaxWarps warps; dynamic shared memory as sm90_dispatch_topk_kernel. `d`
+// carries the row-list outputs (num_slots is set here from the received counts).
+__global__ void __launch_bounds__(sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize)
+ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps) {
+  extern __shared__ int32_t hist[];
+  __shared__ int32_t warp_totals[sm90::kDispatchMaxWarps];
+  __shared__ int32_t tokens[kMaxRanks + 1];
+  __shared__ int32_t prefix[kMaxRanks + 1];
+  ptx::grid_dependency_wait();  // this rank's ep_send has published (call number updated)
+  const WindowLayout& L = p.layout;
+  EpLocal* me = local_state(p);
+  const uint64_t call = me->call;
+  if (threadIdx.x < p.size) {
+    const int s = threadIdx.x;
+    const uint32_t payload = wait_signal(p, region<uint64_t>(p.peers[p.rank], L.dispatch_sig) + s,
+                                         call, Stage::kDispatch, s);
+    if (payload & kPayloadError) {
+      record_error(p, StatusCode::kPeerCapacity, Stage::kDispatch, s, 0, payload & kPayloadMask);
+      tokens[s] = 0;
+    } else {
+      tokens[s] = static_cast<int32_t>(payload < L.t_max ? payload : L.t_max);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    prefix[0] = 0;
+    for (int s = 0; s < p.size; ++s) prefix[s + 1] = prefix[s] + tokens[s];
+  }
+  __syncthreads();
+  // The waits are over: the gather may launch now (PDL), its CTAs wait for this kernel's end.
+  ptx::launch_dependents();
+  d.num_slots = static_cast<int64_t>(prefix[p.size]) * L.top_k;
+  const ReceivedSlots slots{region<int32_t>(p.peers[p.rank], L.recv_idx),
+                            region<float>(p.peers[p.rank], L.recv_w), prefix, p.size, L.t_max,
+                            L.top_k};
+  const bool placed = sm90::dispatch_sort(d, slots, num_warps, hist, warp_totals);
+  if (threadIdx.x == 0) {
+    // The sort's total rows (the last inclusive warp total), also when it placed none.
+    const int32_t rows = warp_totals[blockDim.x / sm90::kDispatchWarpSize - 1];
+    me->recv_rows = placed ? static_cast<uint32_t>(rows) : kPayloadError;
+    if (!placed) record_error(p, StatusCode::kRecvOverflow, Stage::kDispatch, p.rank, 0, rows);
+  }
+}
+
+constexpr int kReturnThreads = 256;
+constexpr int kReturnWarps = kReturnThreads / 32;
+
+// One warp per computed row (grid-stride): out[r] (bf16 [H]) to the combine slot t*K + k of the
+// row's source rank. Then the last CTA publishes return_sig on every rank.
+__global__ void __launch_bounds__(kReturnThreads)
+ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
+                 const int32_t* __restrict__ row_offsets, const int32_t* __restrict__ row_slot) {
+  ptx::grid_dependency_wait();  // PDL: L2's rows are complete
+  ptx::launch_dependents();     // the successor (ep_wait_return) is one CTA
+  const WindowLayout& L = p.layout;
+  const int lane = threadIdx.x % 32;
+  const int64_t K = L.top_k, H = L.hidden;
+  const int64_t rows = __ldg(row_offsets + p.num_local);
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kReturnWarps + threadIdx.x / 32; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * kReturnWarps) {
+    const int64_t place = __ldg(row_slot + r);
+    const int64_t token = place / K;  // s*T_max + t
+    const int s = static_cast<int>(token / L.t_max);
+    const int64_t slot = (token - s * L.t_max) * K + place % K;
+    const uint4* src = reinterpret_cast<const uint4*>(out + r * H);
+    uint4* dst = reinterpret_cast<uint4*>(region<uint16_t>(p.peers[s], L.combine) + slot * H);
+    for (int64_t c = lane; c < H / 8; c += 32) dst[c] = __ldg(src + c);
+  }
+  EpLocal* me = local_state(p);
+  if (!last_cta(&me->return_ticket) || threadIdx.x != 0) return;
+  const uint64_t call = me->call;
+  const uint64_t word = (call << 32) | me->recv_rows;
+  for (int d = 0; d < p.size; ++d)
+    st_release_sys(region<uint64_t>(p.peers[d], L.return_sig) + p.rank, word);
+}
+
+// One CTA: waits for every rank's return_sig of the current call, then lets the combine launch.
+__global__ void __launch_bounds__(kMaxRanks)
+ep_wait_return_kernel(const EpParams p) {
+  ptx::grid_dependency_wait();
+  const WindowLayout& L = p.layout;
+  const uint64_t call = local_state(p)->call;
+  if (threadIdx.x < p.size) {
+    const int d = threadIdx.x;
+    const uint32_t payload = wait_signal(p, region<uint64_t>(p.peers[p.rank], L.return_sig) + d,
+                                         call, Stage::kCombine, d);
+    // The overflowing rank has recorded its own error already.
+    if ((payload & kPayloadError) && d != p.rank)
+      record_error(p, StatusCode::kRecvOverflow, Stage::kCombine, d, 0, 0);
+  }
+  __syncthreads();
+  ptx::launch_dependents();
+}
+
+}  // namespace megamoe::ep

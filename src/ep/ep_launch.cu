@@ -1,0 +1,93 @@
+// ep_launch.cu: launchers of the expert-parallel stages (see ep_launch.hpp).
+#include "ep/ep_launch.hpp"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+#include "ep/ep_kernels.cuh"
+#include "megamoe/error.hpp"
+#include "moe/sm90_stages.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/cuda_device.hpp"
+#include "runtime/cuda_launch.hpp"
+
+namespace megamoe::ep {
+
+namespace {
+
+// Grid-stride kernels over warps: enough CTAs for `warps` warps, at most kCtasPerSm per SM.
+constexpr int kCtasPerSm = 4;
+int grid_for_warps(int64_t warps, int warps_per_cta) {
+  const int64_t ctas = (warps + warps_per_cta - 1) / warps_per_cta;
+  const int64_t cap = int64_t{cuda::device_info().sm_count} * kCtasPerSm;
+  return static_cast<int>(std::clamp<int64_t>(ctas, 1, cap));
+}
+
+}  // namespace
+
+void launch_send(const EpParams& p, const uint8_t* x_q, const uint8_t* x_sf,
+                 const int32_t* topk_idx, const float* topk_weights, int32_t* slot_map,
+                 sm90::DispatchError* error, int32_t* error_flag, cudaStream_t stream,
+                 bool programmatic) {
+  MEGAMOE_CHECK_ARG(p.layout.hidden % 32 == 0, "ep send: expected H a multiple of 32, got ",
+                    p.layout.hidden);
+  sm90::DispatchParams errors{};
+  errors.num_experts = p.num_experts;
+  errors.first_local = 0;
+  errors.num_local = p.num_experts;  // dispatch_local_expert then returns the global id
+  errors.error = error;
+  errors.error_flag = error_flag;
+  cuda::launch(ep_send_kernel, grid_for_warps(p.num_tokens, kSendWarps), kSendThreads, 0, stream,
+               programmatic, p, x_q, x_sf, topk_idx, topk_weights, slot_map, errors);
+}
+
+void configure_dispatch(int64_t num_local) {
+  static std::mutex mutex;
+  static std::map<int, size_t> configured;
+  const size_t smem =
+      static_cast<size_t>(sm90::dispatch_num_warps(num_local)) * num_local * sizeof(int32_t);
+  const int device = cuda::current_device();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (smem <= configured[device]) return;
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(ep_dispatch_kernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+  configured[device] = smem;
+}
+
+void launch_dispatch(const EpParams& p, int32_t* row_offsets, int32_t* row_slot,
+                     float* row_weights, cudaStream_t stream, bool programmatic) {
+  sm90::DispatchParams d{};
+  d.num_experts = p.num_experts;
+  d.first_local = p.rank * p.num_local;
+  d.num_local = p.num_local;
+  d.row_offsets = row_offsets;
+  d.slot_to_row = nullptr;
+  d.row_slot = row_slot;
+  d.row_weights = row_weights;
+  d.max_rows = p.max_rows;
+  // The received slot count is known only on the device; the sort's result does not depend on
+  // the warp count, which is sized for every rank having this rank's T.
+  const int64_t slots_per_warp = int64_t{sm90::kDispatchWarpSize} * sm90::kDispatchUnroll;
+  const int64_t expected = int64_t{p.size} * std::max(p.num_tokens, 1) * p.layout.top_k;
+  const int num_warps = static_cast<int>(std::clamp<int64_t>(
+      (expected + slots_per_warp - 1) / slots_per_warp, 1, sm90::dispatch_num_warps(p.num_local)));
+  const size_t smem = static_cast<size_t>(num_warps) * p.num_local * sizeof(int32_t);
+  configure_dispatch(p.num_local);
+  cuda::launch(ep_dispatch_kernel, 1, sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize, smem,
+               stream, programmatic, p, d, num_warps);
+}
+
+void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,
+                   const int32_t* row_slot, cudaStream_t stream, bool programmatic) {
+  const int64_t expected_rows = std::max<int64_t>(1, int64_t{p.num_tokens} * p.layout.top_k);
+  cuda::launch(ep_return_kernel, grid_for_warps(expected_rows, kReturnWarps), kReturnThreads, 0,
+               stream, programmatic, p, out, row_offsets, row_slot);
+}
+
+void launch_wait_return(const EpParams& p, cudaStream_t stream, bool programmatic) {
+  cuda::launch(ep_wait_return_kernel, 1, kMaxRanks, 0, stream, programmatic, p);
+}
+
+}  // namespace megamoe::ep
