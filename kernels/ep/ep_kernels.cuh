@@ -203,7 +203,9 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps) {
     const uint32_t payload = wait_signal(p, region<uint64_t>(p.peers[p.rank], L.dispatch_sig) + s,
                                          call, Stage::kDispatch, s);
     if (payload & kPayloadError) {
-      record_error(p, StatusCode::kPeerCapacity, Stage::kDispatch, s, 0, payload & kPayloadMask);
+      // The rank called above its capacity has thrown already; the others record it.
+      if (s != p.rank)
+        record_error(p, StatusCode::kPeerCapacity, Stage::kDispatch, s, 0, payload & kPayloadMask);
       tokens[s] = 0;
     } else {
       tokens[s] = static_cast<int32_t>(payload < L.t_max ? payload : L.t_max);

@@ -86,6 +86,14 @@ void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_of
                stream, programmatic, p, out, row_offsets, row_slot);
 }
 
+void load_kernels() {
+  cudaFuncAttributes a{};
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_send_kernel));
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_dispatch_kernel));
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_return_kernel));
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_wait_return_kernel));
+}
+
 void launch_wait_return(const EpParams& p, cudaStream_t stream, bool programmatic) {
   cuda::launch(ep_wait_return_kernel, 1, kMaxRanks, 0, stream, programmatic, p);
 }

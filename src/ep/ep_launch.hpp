@@ -28,6 +28,9 @@ void configure_dispatch(int64_t num_local);
 
 void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,
                    const int32_t* row_slot, cudaStream_t stream, bool programmatic);
+// Loads the EP kernels into the current context (see sm90::load_gemm_kernels).
+void load_kernels();
+
 void launch_wait_return(const EpParams& p, cudaStream_t stream, bool programmatic);
 
 }  // namespace megamoe::ep

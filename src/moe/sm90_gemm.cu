@@ -68,6 +68,11 @@ template <GemmKind kKind>
 constexpr std::array<TileLauncher, kNumTiles> kLaunchers =
     make_launchers<kKind>(std::make_index_sequence<kNumTiles>{});
 
+template <GemmKind kKind, size_t... kI>
+void load_tiles(std::index_sequence<kI...>) {
+  (load_tile<static_cast<TileId>(kI), kKind>(), ...);
+}
+
 #if MEGAMOE_DIAG_TIMELINE
 using TimelineReader = std::vector<uint64_t> (*)();
 template <size_t kI>
@@ -294,5 +299,10 @@ std::vector<uint64_t> diag_read_timeline() {
   return kReaders[static_cast<int>(g_last_tile)]();
 }
 #endif
+
+void load_gemm_kernels() {
+  load_tiles<GemmKind::kL1>(std::make_index_sequence<kNumTiles>{});
+  load_tiles<GemmKind::kL2>(std::make_index_sequence<kNumTiles>{});
+}
 
 }  // namespace megamoe::sm90

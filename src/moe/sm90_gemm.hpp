@@ -141,6 +141,13 @@ bool scales_all_small(const uint8_t* sf, int64_t bytes, cudaStream_t stream);
 
 // Asynchronous on `stream`; no host synchronization and no allocation (CUDA-graph capturable).
 void launch_l1(const L1Args& args, cudaStream_t stream);
+
+// Loads every GEMM kernel of the tile table into the current context. CUDA loads a kernel at its
+// first launch by default (lazy loading), and a load waits until the device is idle: with
+// several EP ranks in one process, a load behind a rank that waits on the device for another
+// rank's launch would never finish. EP layers call this (and the stages' and EP kernels'
+// loaders) at construction.
+void load_gemm_kernels();
 void launch_l2(const L2Args& args, cudaStream_t stream);
 
 #if defined(MEGAMOE_DIAG_TIMELINE) && MEGAMOE_DIAG_TIMELINE

@@ -52,6 +52,13 @@ void launch_tile(const GemmParams& p, const uint16_t* b_rows, cudaStream_t strea
                p.prefetch_before_wait != 0, map, p);
 }
 
+template <TileId kId, GemmKind kKind>
+void load_tile() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&attributes,
+                                           &sm90_grouped_gemm_bf16_mxfp4_kernel<GemmConfig<kId>, kKind>));
+}
+
 #if MEGAMOE_DIAG_TIMELINE
 template <TileId kId>
 std::vector<uint64_t> diag_read_timeline_of() {

@@ -20,6 +20,11 @@ namespace megamoe::sm90 {
 template <TileId kId, GemmKind kKind>
 void launch_tile(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream);
 
+// Loads tile kId's kernel of kind kKind into the context now (CUDA loads kernels lazily, at
+// their first launch, and that load waits for the device to be idle: see load_gemm_kernels).
+template <TileId kId, GemmKind kKind>
+void load_tile();
+
 // Row-major bf16 [rows, cols] token rows, read in boxes of box_rows x 64 with 128-byte swizzle.
 CUtensorMap make_rows_map(const uint16_t* base, int64_t rows, int64_t cols, int box_rows);
 

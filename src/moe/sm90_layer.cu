@@ -198,6 +198,11 @@ void Sm90Layer::init_workspace() {
     // Rows are the slots other ranks send here: up to the group's receive capacity.
     max_rows_ = ep_->max_recv_rows();
     ep::configure_dispatch(config_.num_local_experts());
+    // Every kernel a call may launch is loaded now, not lazily at its first launch (whose load
+    // would wait for the device: ranks waiting on each other there never let it finish).
+    load_stage_kernels();
+    load_gemm_kernels();
+    ep::load_kernels();
   }
   int64_t bytes = 0;
   carve(nullptr, config_, max_rows_, &bytes);

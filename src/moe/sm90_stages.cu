@@ -35,6 +35,14 @@ void check_aligned(const char* arg, const void* ptr, int64_t alignment) {
 
 }  // namespace
 
+void load_stage_kernels() {
+  cudaFuncAttributes a{};
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_quantize_input_bf16_e4m3_kernel));
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_dispatch_topk_kernel));
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_gather_dequant_e4m3_bf16_kernel));
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_combine_topk_bf16_kernel));
+}
+
 void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden, uint8_t* x_q,
                            uint8_t* x_sf, cudaStream_t stream, bool programmatic) {
   MEGAMOE_CHECK_ARG(hidden > 0 && hidden % kScaleBlock == 0,

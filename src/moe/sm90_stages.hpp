@@ -23,6 +23,9 @@
 
 namespace megamoe::sm90 {
 
+// Loads the four stage kernels into the current context (see load_gemm_kernels).
+void load_stage_kernels();
+
 void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden, uint8_t* x_q,
                            uint8_t* x_sf, cudaStream_t stream, bool programmatic = false);
 

@@ -1,0 +1,329 @@
+// test_ep.cu: expert parallelism (megamoe/ep.hpp) with R virtual ranks on one GPU and with the
+// NCCL transport at one rank: equality with the one-GPU layer, the error protocol (capacity,
+// receive overflow, a rank that never arrives), CUDA-graph capture, per-expert row counts.
+#include <chrono>
+#include <string>
+
+#include "ep_test_util.hpp"
+#include "megamoe/error.hpp"
+#include "megamoe/reference.hpp"
+
+namespace megamoe::test {
+namespace {
+
+// A tile without split-K: every output element is summed in the same order whatever rows share
+// its launch, so EP = R equals EP = 1 bit for bit (docs/design.md, "Expert parallelism").
+constexpr const char* kFixedTile = "prefill_256x128_k2_staged";
+
+LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kFixedTile) {
+  LayerConfig c;
+  c.shape = shape_preset(shape);
+  c.activation = activation_preset(shape);
+  c.max_tokens_per_rank = capacity;
+  c.sm90.gemm_tile = tile;
+  return c;
+}
+
+int64_t count_mismatches(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  int64_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
+  return n;
+}
+
+std::string describe(const std::vector<int64_t>& tokens) {
+  std::string s;
+  for (int64_t t : tokens) s += (s.empty() ? "" : ",") + std::to_string(t);
+  return s;
+}
+
+// Every rank's output equals the one-GPU layer's on the concatenated tokens, bit for bit, and
+// the rows each rank's experts received match the routing.
+void expect_equal_to_one_gpu(const char* shape, int ranks, const std::vector<int64_t>& tokens,
+                             Routing routing, uint64_t seed, const char* tile = kFixedTile) {
+  const int64_t cap = *std::max_element(tokens.begin(), tokens.end());
+  const LayerConfig c = ep_config(shape, std::max<int64_t>(cap, 1), tile);
+  SCOPED_TRACE(std::string(shape) + " EP=" + std::to_string(ranks) + " T=" + describe(tokens) +
+               " routing " + routing_name(routing) + " tile " + tile);
+  const EpInputs in = make_ep_inputs(c, tokens, routing, seed, 0.1);
+  OneGpu one(c, in.total(), seed);
+  const std::vector<uint16_t> expected = one.run(in);
+
+  EpRanks ep(c, ranks, seed);
+  ep.upload(in);
+  for (int rep = 0; rep < 2; ++rep) {  // the second call reuses the windows (call counter 2)
+    ep.forward();
+    ep.sync();
+    for (int r = 0; r < ranks; ++r) ASSERT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
+    const std::vector<uint16_t> y = ep.output();
+    ASSERT_EQ(y.size(), expected.size());
+    EXPECT_EQ(count_mismatches(y, expected), 0) << "call " << rep;
+  }
+  // Rows per local expert: every valid slot of every rank routed to it.
+  const int64_t el = c.shape.num_experts / ranks;
+  std::vector<int64_t> want(static_cast<size_t>(c.shape.num_experts), 0);
+  for (int32_t id : in.all_idx)
+    if (id >= 0) ++want[id];
+  for (int r = 0; r < ranks; ++r) {
+    const std::vector<int64_t> got = ep.layer(r).expert_rows(ep.stream(r));
+    ASSERT_EQ(static_cast<int64_t>(got.size()), el);
+    for (int64_t e = 0; e < el; ++e) EXPECT_EQ(got[e], want[r * el + e]) << "rank " << r << " expert " << e;
+  }
+}
+
+TEST(Ep, VirtualRanksEqualOneGpuSmall) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 900;
+  for (Routing routing : {Routing::kUniform, Routing::kSkewed, Routing::kAdversarial}) {
+    expect_equal_to_one_gpu("small", 2, {37, 64}, routing, seed++);
+    expect_equal_to_one_gpu("small", 4, {5, 0, 64, 1}, routing, seed++);
+    expect_equal_to_one_gpu("small", 8, {16, 3, 0, 64, 7, 0, 1, 40}, routing, seed++);
+  }
+}
+
+TEST(Ep, VirtualRanksAllEmpty) {
+  MEGAMOE_REQUIRE_SM90();
+  expect_equal_to_one_gpu("small", 4, {0, 0, 0, 0}, Routing::kUniform, 950);
+}
+
+// The default tile policy: ranks and the one-GPU layer may pick different tiles (split-K
+// changes the order of the FP32 sums), so the outputs agree to the last bits only.
+TEST(Ep, VirtualRanksDefaultPolicyCloseToOneGpu) {
+  MEGAMOE_REQUIRE_SM90();
+  const std::vector<int64_t> tokens = {1, 8, 64, 0};
+  const LayerConfig c = ep_config("small", 64, "auto");
+  const EpInputs in = make_ep_inputs(c, tokens, Routing::kUniform, 960, 0.0);
+  OneGpu one(c, in.total(), 960);
+  const std::vector<uint16_t> expected = one.run(in);
+  EpRanks ep(c, 4, 960);
+  ep.upload(in);
+  ep.forward();
+  ep.sync();
+  const std::vector<uint16_t> y = ep.output();
+  std::vector<double> a(y.size()), b(y.size());
+  for (size_t i = 0; i < y.size(); ++i) {
+    a[i] = bf16_to_f32(y[i]);
+    b[i] = bf16_to_f32(expected[i]);
+  }
+  const double diff = diff_metric(a.data(), b.data(), static_cast<int64_t>(a.size()));
+  std::printf("[ INFO     ] default policy EP=4 vs one GPU: %lld of %zu outputs differ, diff %.3e\n",
+              static_cast<long long>(count_mismatches(y, expected)), y.size(), diff);
+  EXPECT_LT(diff, 1e-5);
+}
+
+TEST(Ep, VirtualRanksDeepseekV3Ep8) {
+  MEGAMOE_REQUIRE_SM90();
+  expect_equal_to_one_gpu("deepseek-v3", 8, {33, 1, 0, 64, 8, 17, 64, 2}, Routing::kUniform, 970);
+}
+
+TEST(Ep, VirtualRanksKimiK3Ep8Decode) {
+  MEGAMOE_REQUIRE_SM90();
+  expect_equal_to_one_gpu("kimi-k3", 8, {1, 1, 1, 1, 1, 1, 1, 1}, Routing::kUniform, 975,
+                          "decode_128x16_k1_warp");
+}
+
+// A rank called above its capacity throws at once and still takes part (as T = 0); the others
+// report it at their check, naming it; the next call works everywhere.
+TEST(Ep, CapacityOverflowFailsOnEveryRank) {
+  MEGAMOE_REQUIRE_SM90();
+  const LayerConfig c = ep_config("small", 16);
+  const EpInputs in = make_ep_inputs(c, {16, 16}, Routing::kUniform, 980);
+  const EpInputs over = make_ep_inputs(c, {17, 16}, Routing::kUniform, 980);
+  EpRanks ep(c, 2, 980, EpOptions{}, /*buffer_tokens=*/17);
+  ep.upload(over);
+  try {
+    ep.forward_rank(0);
+    FAIL() << "rank 0 above capacity did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
+    EXPECT_NE(std::string(e.what()).find("exceeds the layer capacity"), std::string::npos) << e.what();
+  }
+  ep.forward_rank(1);
+  ep.sync();
+  try {
+    ep.layer(1).check_errors(ep.stream(1));
+    FAIL() << "rank 1 did not report rank 0's overflow";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
+    EXPECT_NE(std::string(e.what()).find("rank 0 called the layer with T = 17"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(ep.layer(0).check_errors(ep.stream(0)));
+  // The group is intact: the next call computes the right answer.
+  OneGpu one(c, in.total(), 980);
+  const std::vector<uint16_t> expected = one.run(in);
+  ep.upload(in);
+  ep.forward();
+  ep.sync();
+  for (int r = 0; r < 2; ++r) EXPECT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
+  EXPECT_EQ(count_mismatches(ep.output(), expected), 0);
+}
+
+// More rows for one rank than its max_recv_rows: nothing is computed there and every rank's
+// check reports it, naming the rank; a call that fits works afterwards.
+TEST(Ep, ReceiveOverflowFailsOnEveryRank) {
+  MEGAMOE_REQUIRE_SM90();
+  const LayerConfig c = ep_config("small", 64);
+  EpOptions options;
+  options.max_recv_rows = 100;
+  EpRanks ep(c, 4, 990, options);
+  // Adversarial routing: every slot of every rank goes to experts [0, K), all on rank 0:
+  // 4 ranks x 64 tokens x K = 4 slots = 1024 rows > 100.
+  ep.upload(make_ep_inputs(c, {64, 64, 64, 64}, Routing::kAdversarial, 990));
+  ep.forward();
+  ep.sync();
+  for (int r = 0; r < 4; ++r) {
+    try {
+      ep.layer(r).check_errors(ep.stream(r));
+      FAIL() << "rank " << r << " did not report the overflow";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
+      EXPECT_NE(std::string(e.what()).find("rank 0 received more rows than its max_recv_rows = 100"),
+                std::string::npos) << e.what();
+    }
+  }
+  const EpInputs small = make_ep_inputs(c, {4, 4, 4, 4}, Routing::kUniform, 991);
+  OneGpu one(c, small.total(), 990);
+  const std::vector<uint16_t> expected = one.run(small);
+  ep.upload(small);
+  ep.forward();
+  ep.sync();
+  for (int r = 0; r < 4; ++r) EXPECT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
+  EXPECT_EQ(count_mismatches(ep.output(), expected), 0);
+}
+
+// A rank that never calls: the others give up after the timeout, report kTimeout naming it, the
+// stage and the call number, and refuse later calls.
+TEST(Ep, MissingRankTimesOut) {
+  MEGAMOE_REQUIRE_SM90();
+  const LayerConfig c = ep_config("small", 8);
+  EpOptions options;
+  options.timeout_s = 0.2;
+  EpRanks ep(c, 4, 995, options);
+  ep.upload(make_ep_inputs(c, {8, 8, 8, 8}, Routing::kUniform, 995));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r = 0; r < 3; ++r) ep.forward_rank(r);  // rank 3 never arrives
+  for (int r = 0; r < 3; ++r) MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(ep.stream(r)));
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(waited, 5.0) << "the waits did not give up in time";
+  for (int r = 0; r < 3; ++r) {
+    try {
+      ep.layer(r).check_errors(ep.stream(r));
+      FAIL() << "rank " << r << " did not time out";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout);
+      const std::string what = e.what();
+      EXPECT_NE(what.find("in stage 'dispatch' waiting for rank 3 to publish call #1"),
+                std::string::npos) << what;
+    }
+    EXPECT_TRUE(ep.group(r).broken());
+    try {
+      ep.forward_rank(r);
+      FAIL() << "a broken group accepted a call";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout);
+    }
+  }
+}
+
+// The R ranks' calls captured in one CUDA graph (a fork/join over their streams) and replayed
+// equal eager calls; the call counter lives on the device, so replays keep the protocol going.
+TEST(Ep, GraphCaptureReplayEqualsEager) {
+  MEGAMOE_REQUIRE_SM90();
+  const LayerConfig c = ep_config("small", 32, "auto");
+  const int ranks = 4;
+  const EpInputs a = make_ep_inputs(c, {32, 5, 0, 17}, Routing::kSkewed, 1000);
+  const EpInputs b = make_ep_inputs(c, {32, 5, 0, 17}, Routing::kUniform, 1001);
+  EpRanks ep(c, ranks, 1000);
+  ep.upload(a);
+  ep.forward();
+  ep.sync();
+  const std::vector<uint16_t> eager_a = ep.output();
+  ep.upload(b);
+  ep.forward();
+  ep.sync();
+  const std::vector<uint16_t> eager_b = ep.output();
+
+  Stream origin;
+  std::vector<cudaEvent_t> events(ranks + 1);
+  for (auto& e : events) MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  StreamGraph graph(origin, [&] {
+    MEGAMOE_CUDA_CHECK(cudaEventRecord(events[ranks], origin));
+    for (int r = 0; r < ranks; ++r) {
+      MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(ep.stream(r), events[ranks]));
+      ep.forward_rank(r);
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(events[r], ep.stream(r)));
+    }
+    for (int r = 0; r < ranks; ++r) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(origin, events[r]));
+  });
+  for (int rep = 0; rep < 3; ++rep) {
+    for (const EpInputs* in : {&a, &b}) {
+      ep.upload(*in);
+      graph.launch(origin);
+      MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(origin));
+      EXPECT_EQ(count_mismatches(ep.output(), in == &a ? eager_a : eager_b), 0) << "replay " << rep;
+    }
+  }
+  for (int r = 0; r < ranks; ++r) EXPECT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
+  for (auto& e : events) cudaEventDestroy(e);
+}
+
+// Invalid expert ids on one rank are reported by that rank (token and slot), count as empty,
+// and do not disturb the other ranks.
+TEST(Ep, InvalidIdsReportedBySourceRank) {
+  MEGAMOE_REQUIRE_SM90();
+  const LayerConfig c = ep_config("small", 8);
+  EpInputs in = make_ep_inputs(c, {8, 8}, Routing::kUniform, 1010);
+  EpInputs clean = in;
+  in.idx[1][5 * c.shape.top_k + 2] = 4096;  // rank 1, token 5, slot 2
+  clean.idx[1][5 * c.shape.top_k + 2] = -1;
+  clean.all_idx[(8 + 5) * c.shape.top_k + 2] = -1;
+  OneGpu one(c, clean.total(), 1010);
+  const std::vector<uint16_t> expected = one.run(clean);
+  EpRanks ep(c, 2, 1010);
+  ep.upload(in);
+  ep.forward();
+  ep.sync();
+  EXPECT_NO_THROW(ep.layer(0).check_errors(ep.stream(0)));
+  try {
+    ep.layer(1).check_errors(ep.stream(1));
+    FAIL() << "rank 1 did not report the invalid id";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
+    EXPECT_NE(std::string(e.what()).find("got 4096 at token 5 slot 2"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(count_mismatches(ep.output(), expected), 0);
+}
+
+// The NCCL transport with one rank: window registration, device communicator, LSA barrier and
+// the same kernels; equal to the layer without a group.
+TEST(EpNccl, OneRankEqualsPlainLayer) {
+  MEGAMOE_REQUIRE_SM90();
+  if (!nccl_available()) {
+    std::printf("[  SKIPPED ] NCCL: no usable libnccl.so.2 of version >= the build's headers "
+                "(put a newer one first on LD_LIBRARY_PATH)\n");
+    GTEST_SKIP() << "no usable libnccl";
+  }
+  const LayerConfig c = ep_config("small", 64);
+  const EpInputs in = make_ep_inputs(c, {64}, Routing::kSkewed, 1020, 0.1);
+  OneGpu one(c, in.total(), 1020);
+  const std::vector<uint16_t> expected = one.run(in);
+  std::shared_ptr<EpGroup> group = EpGroup::create_nccl(nccl_unique_id(), 1, 0, c);
+  EXPECT_EQ(group->transport(), "nccl");
+  MoeLayer layer(c, synthetic_weights(c, 1020), group, "sm90");
+  const int64_t t = in.total(), h = c.shape.hidden, k = c.shape.top_k;
+  DeviceArray<uint16_t> x(in.all_x), y(t * h);
+  DeviceArray<int32_t> idx(in.all_idx);
+  DeviceArray<float> w(in.all_weights);
+  const Device dev = Device::cuda();
+  for (int rep = 0; rep < 3; ++rep) {
+    layer.forward(TensorView::contiguous(x.get(), DType::kBF16, {t, h}, dev),
+                  TensorView::contiguous(idx.get(), DType::kI32, {t, k}, dev),
+                  TensorView::contiguous(w.get(), DType::kF32, {t, k}, dev),
+                  TensorView::contiguous(y.get(), DType::kBF16, {t, h}, dev));
+    layer.check_errors();
+    EXPECT_EQ(count_mismatches(y.download(), expected), 0) << "call " << rep;
+  }
+}
+
+}  // namespace
+}  // namespace megamoe::test
