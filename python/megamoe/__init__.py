@@ -16,7 +16,7 @@ BF16 is numpy uint16 (raw bits), ml_dtypes.bfloat16 or torch.bfloat16.
 Errors are megamoe.Error subclasses that are also the matching builtin exception:
 InvalidArgumentError (ValueError), DTypeError (TypeError), OutOfRangeError (ValueError),
 FormatError (ValueError), IoError (OSError), UnsupportedError / CudaError / InternalError
-(RuntimeError).
+(RuntimeError), TimeoutError (TimeoutError: a rank of an EP group did not arrive in time).
 """
 
 from . import _megamoe as _C
@@ -32,6 +32,7 @@ from ._megamoe import (
     LayerConfig,
     LayerShape,
     OutOfRangeError,
+    TimeoutError,
     UnsupportedError,
     activation_preset,
     memory_stats,
