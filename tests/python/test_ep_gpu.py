@@ -210,10 +210,7 @@ def test_a_rank_above_capacity():
     with pytest.raises(megamoe.OutOfRangeError, match="rank 0 called the layer with T = 17 "
                        "tokens, above max_tokens_per_rank = 16"):
         ranks.layers[1].check_errors(ranks.streams[1])
-    try:
-        ranks.layers[0].check_errors(ranks.streams[0])  # clears whatever rank 0 recorded
-    except megamoe.OutOfRangeError:
-        pass
+    ranks.layers[0].check_errors(ranks.streams[0])  # rank 0 raised already: not a second time
     # Not a timeout: the group stays usable, and the next call is right on both ranks.
     assert not any(g.broken for g in ranks.groups)
     x, idx, w = _workload(cfg, 24, "skewed", seed=3)
