@@ -13,10 +13,13 @@ Arrays cross without copies through DLPack: numpy arrays and torch tensors on th
 CUDA tensors on the GPU (calls run on torch's current stream and can be captured in CUDA graphs).
 BF16 is numpy uint16 (raw bits), ml_dtypes.bfloat16 or torch.bfloat16.
 
+Expert parallelism (R ranks, each owning E / R experts, one process per GPU over NCCL or R
+virtual ranks on one GPU): megamoe.ep, and MoELayer(..., group=...).
+
 Errors are megamoe.Error subclasses that are also the matching builtin exception:
 InvalidArgumentError (ValueError), DTypeError (TypeError), OutOfRangeError (ValueError),
 FormatError (ValueError), IoError (OSError), UnsupportedError / CudaError / InternalError
-(RuntimeError).
+(RuntimeError), TimeoutError (TimeoutError: a rank of an EP group did not arrive in time).
 """
 
 from . import _megamoe as _C
@@ -32,6 +35,7 @@ from ._megamoe import (
     LayerConfig,
     LayerShape,
     OutOfRangeError,
+    TimeoutError,
     UnsupportedError,
     activation_preset,
     memory_stats,
@@ -84,6 +88,8 @@ from .layer import (
 )
 
 from .routing import ROUTING_KINDS, make_routing, route_sigmoid_topk, synthetic_activations
+from . import ep
+from .ep import EpGroup, EpOptions
 
 __version__ = "0.1.0"
 

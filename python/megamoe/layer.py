@@ -24,7 +24,7 @@ __all__ = [
 class MoELayer:
     """One MoE layer on one EP rank, on the best backend available (or the one named).
 
-    MoELayer(config, weights, backend="auto")
+    MoELayer(config, weights, backend="auto", group=None)
         config:  LayerConfig
         weights: MoeWeights for this rank (canonical form, e.g. synthetic_weights(),
                  MoeWeights.from_arrays() or load_moe_layer()). The layer takes them over and
@@ -34,14 +34,31 @@ class MoELayer:
         backend: "auto" (sm90 when built with CUDA and an sm_90 GPU is present, else "cpu"),
                  "cpu" or "sm90". Unknown names raise InvalidArgumentError (ValueError); a known
                  backend this build or machine cannot run raises UnsupportedError (RuntimeError).
+        group:   None, or this rank's EpGroup (megamoe.ep) for expert parallelism: `weights` are
+                 then this rank's E / R experts (config.ep_size/ep_rank = the group's size/rank;
+                 synthetic_weights(config, seed) makes that slice), and forward() exchanges tokens
+                 and results with the other ranks. Needs the sm90 backend ("cpu" raises
+                 UnsupportedError); a group that does not match the config (rank, shape, a
+                 capacity above the group's, another device) raises InvalidArgumentError, a broken
+                 group TimeoutError. All of this is checked before the weights are taken over.
 
     The layer lives on one device (`device`: "cpu" or "cuda:N"); its inputs must be there. A GPU
     layer is built on the current CUDA device (`with torch.cuda.device(i): MoELayer(...)`).
     A layer owns one workspace: do not call the same layer from several threads at once.
+
+    Under expert parallelism (group given; megamoe.ep describes the rules) every rank must call
+    forward() for every layer call, in the same order, T = 0 included, since the other ranks wait
+    for it on the device. forward() never blocks the host. With virtual ranks (one GPU) the
+    ranks' calls of one layer call must all be in flight together, each on its own torch stream:
+
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                ys[r] = layers[r].forward(xs[r], idxs[r], ws[r])
     """
 
-    def __init__(self, config, weights, backend="auto"):
-        self._layer = _C.MoeLayer(config, weights, backend)
+    def __init__(self, config, weights, backend="auto", group=None):
+        self._layer = _C.MoeLayer(config, weights, backend, group)
+        self._group = group  # the C++ layer holds its own reference
 
     @property
     def config(self):
@@ -57,6 +74,11 @@ class MoELayer:
     def device(self):
         """"cpu" or "cuda:N"."""
         return self._layer.device
+
+    @property
+    def group(self):
+        """The layer's EpGroup (the object passed as `group`), or None."""
+        return self._group
 
     @property
     def weights_layout(self):
@@ -89,6 +111,14 @@ class MoELayer:
         records it on the device and raises OutOfRangeError (naming the first bad token and slot)
         at the next forward() of this layer, or at check_errors(), without ever waiting in the
         call itself; with LayerConfig(sync_error_check=True) every call waits and raises at once.
+
+        Under expert parallelism (a layer built with a group) the call still takes part above the
+        capacity, with no tokens, before it raises OutOfRangeError, so the other ranks do not
+        wait in vain; they raise OutOfRangeError naming this rank at their next check. Errors of
+        the exchange (a rank above its capacity or its max_recv_rows, a peer that did not arrive
+        within the group's timeout_s: TimeoutError) are found on the device and raised like
+        invalid expert ids, at check_errors() or the next forward(). After a TimeoutError the
+        group is unusable and every forward() raises TimeoutError.
         """
         _arrays.check_array(x, "x")
         y = _arrays.output(out, x, _arrays.shape_of(x), "bfloat16", bf16_like=x)
@@ -107,15 +137,32 @@ class MoELayer:
         OutOfRangeError if a call since the last check met invalid expert ids (the record is
         cleared). GPU layers detect those on the device and otherwise report them only at the next
         forward(); call this where you synchronize anyway, e.g. after replaying a CUDA graph. CPU
-        layers raise from forward() itself, so this does nothing there."""
+        layers raise from forward() itself, so this does nothing there.
+
+        Under expert parallelism the errors of the exchange come first: OutOfRangeError when a
+        rank was called above max_tokens_per_rank (naming it) or received more rows than
+        max_recv_rows, TimeoutError when a peer did not arrive within the group's timeout_s (the
+        group is unusable afterwards). Either makes the call's output invalid on every rank."""
+        self._layer.check_errors(self._stream_handle(stream))
+
+    def expert_rows(self, stream=None):
+        """Rows (token, slot) each of this rank's experts received in the last call, as a list
+        of E_l ints, after waiting for `stream` (default as for check_errors). Under expert
+        parallelism these are the rows sent here by every rank. Empty for the cpu backend."""
+        return self._layer.expert_rows(self._stream_handle(stream))
+
+    def _stream_handle(self, stream):
+        # The stream a host-side wait uses: the one given, else torch's current stream on the
+        # layer's device (there is no array to find it from).
         handle = _arrays.cuda_stream(stream)
         if stream is None and self.device.startswith("cuda") and _arrays._torch() is not None:
             handle = _arrays._torch().cuda.current_stream(self.device).cuda_stream
-        self._layer.check_errors(handle)
+        return handle
 
     def __repr__(self):
+        group = "" if self.group is None else f", group={self.group!r}"
         return (f"MoELayer(backend='{self.backend}', device='{self.device}', "
-                f"config={self.config!r})")
+                f"config={self.config!r}{group})")
 
 
 def available_backends():
@@ -125,7 +172,9 @@ def available_backends():
 
 def synthetic_weights(config, seed, with_bias=False):
     """Deterministic synthetic MXFP4 weights (canonical form, host memory) for this rank of
-    `config`: uniform random E2M1 codes, UE8M0 scales around 2^-round(log2(sqrt(K)))."""
+    `config`: uniform random E2M1 codes, UE8M0 scales around 2^-round(log2(sqrt(K))). Each
+    expert's bytes depend only on (seed, global expert id), so rank r of ep_size R gets exactly
+    experts [r * E / R, (r + 1) * E / R) of the ep_size = 1 weights."""
     return _C.synthetic_weights(config, seed, with_bias)
 
 

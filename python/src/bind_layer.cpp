@@ -6,17 +6,22 @@
 //   y            bf16  [T, H]   written in full
 // All on the layer's device and contiguous. `stream` is a cudaStream_t as an integer (0 = the
 // legacy default stream); the Python layer passes torch's current stream.
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "bindings.hpp"
+#include "ep/ep_group.hpp"
+#include "megamoe/ep.hpp"
 #include "megamoe/layer.hpp"
 #include "megamoe/prepare.hpp"
+#include "runtime/cuda_device.hpp"
 
 namespace megamoe::python {
 
@@ -30,9 +35,9 @@ constexpr bool kBuiltWithCuda = false;
 #endif
 
 // NOTES: the layer takes the weights by move. Everything that can be checked before the move is
-// checked here, so a wrong config or backend name leaves the caller's weights intact.
+// checked here, so a wrong config, backend name or EP group leaves the caller's weights intact.
 void init_layer(MoeLayer* self, const LayerConfig& config, WeightsHolder& weights,
-                const std::string& backend) {
+                const std::string& backend, std::shared_ptr<EpGroup> group) {
   config.validate();
   const MoeWeights& w = weights.get("weights");
   w.check_matches(config);
@@ -55,7 +60,25 @@ void init_layer(MoeLayer* self, const LayerConfig& config, WeightsHolder& weight
   MEGAMOE_CHECK_ARG(w.layout == kCanonicalLayout || w.layout == own_layout, "weights: layout '",
                     w.layout, "' cannot serve backend '", chosen, "' (it reads '",
                     kCanonicalLayout, "' or '", own_layout, "'); unprepare() them first");
-  new (self) MoeLayer(config, weights.take("weights"), chosen);
+  if (group == nullptr) {
+    new (self) MoeLayer(config, weights.take("weights"), chosen);
+    return;
+  }
+  // The checks the EP constructor makes after taking the weights (src/moe/layer.cpp,
+  // make_sm90_backend), made before: the backend, the rank, the group's window and device.
+  MEGAMOE_CHECK(chosen != "cpu", ErrorCode::kUnsupported, "group: the cpu backend has no "
+                "expert-parallel communication; an EP group needs the sm90 backend");
+  MEGAMOE_CHECK_ARG(config.ep_size == group->size() && config.ep_rank == group->rank(),
+                    "group: the config's ep_size/ep_rank (", config.ep_size, "/", config.ep_rank,
+                    ") must be the group's size/rank (", group->size(), "/", group->rank(), ")");
+  group->impl().check_layer(config);
+  MEGAMOE_CHECK_ARG(group->device() == cuda::current_device(), "group: the EP group lives on "
+                    "device ", group->device(), ", the current device is ",
+                    cuda::current_device(), " (build the layer under torch.cuda.device(",
+                    group->device(), "))");
+  MEGAMOE_CHECK(!group->broken(), ErrorCode::kTimeout, "group: EP rank ", group->rank(), " of ",
+                group->size(), " timed out in an earlier call and is unusable; make a new group");
+  new (self) MoeLayer(config, weights.take("weights"), std::move(group), chosen);
 }
 
 void forward(MoeLayer& layer, const InArray& x, const InArray& topk_idx,
@@ -82,13 +105,21 @@ void register_layer(nb::module_& m) {
                        "Raw binding of megamoe::MoeLayer; use megamoe.MoELayer, which allocates "
                        "outputs and finds the CUDA stream.")
       .def("__init__", &init_layer, nb::arg("config"), nb::arg("weights"),
-           nb::arg("backend") = kAutoBackend)
+           nb::arg("backend") = kAutoBackend, nb::arg("group").none() = nb::none())
       .def("forward", &forward, nb::arg("x"), nb::arg("topk_idx"), nb::arg("topk_weights"),
            nb::arg("y"), nb::arg("stream") = 0)
       .def(
           "check_errors",
           [](MoeLayer& layer, uintptr_t stream) {
             without_gil([&] { layer.check_errors(reinterpret_cast<void*>(stream)); });
+          },
+          nb::arg("stream") = 0)
+      .def(
+          "expert_rows",
+          [](MoeLayer& layer, uintptr_t stream) {
+            std::vector<int64_t> rows;
+            without_gil([&] { rows = layer.expert_rows(reinterpret_cast<void*>(stream)); });
+            return rows;
           },
           nb::arg("stream") = 0)
       .def_prop_ro("config", &MoeLayer::config, nb::rv_policy::copy)

@@ -93,6 +93,7 @@ void register_errors(nb::module_& m);
 void register_formats(nb::module_& m);
 void register_config(nb::module_& m);
 void register_weights(nb::module_& m);
+void register_ep(nb::module_& m);
 void register_layer(nb::module_& m);
 void register_reference(nb::module_& m);
 void register_routing(nb::module_& m);

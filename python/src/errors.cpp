@@ -14,10 +14,13 @@
 //   kUnsupported      megamoe.UnsupportedError     RuntimeError (valid request, this build/machine
 //                                                               cannot serve it: no CUDA, no GPU)
 //   kCuda             megamoe.CudaError            RuntimeError
+//   kTimeout          megamoe.TimeoutError         TimeoutError (a rank of an EP group did not
+//                                                               arrive in time)
 //   kInternal         megamoe.InternalError        RuntimeError
 //
 // Each class has a `code` attribute ("invalid_argument", ...).
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "bindings.hpp"
@@ -106,9 +109,22 @@ void register_errors(nb::module_& m) {
   code_slot(ErrorCode::kCuda) = new_exception(m, "CudaError", "cuda",
                                               "A CUDA runtime call failed (also a RuntimeError).",
                                               nb::make_tuple(b, nb::handle(PyExc_RuntimeError)));
+  code_slot(ErrorCode::kTimeout) = new_exception(
+      m, "TimeoutError", "timeout",
+      "Another rank of an expert-parallel group did not arrive within the group's timeout_s; "
+      "the group is unusable afterwards (also the builtin TimeoutError).",
+      nb::make_tuple(b, nb::handle(PyExc_TimeoutError)));
   code_slot(ErrorCode::kInternal) = new_exception(
       m, "InternalError", "internal", "A broken invariant inside megamoe (also a RuntimeError).",
       nb::make_tuple(b, nb::handle(PyExc_RuntimeError)));
+  // A code added to ErrorCode without a class here would reach PyErr_SetString with a null type;
+  // fail at import instead.
+  for (int code = 0; code < kNumErrorCodes; ++code) {
+    if (types.by_code[code] == nullptr) {
+      throw std::runtime_error("megamoe: no Python exception class for ErrorCode " +
+                               std::to_string(code));
+    }
+  }
   nb::register_exception_translator(translate);
 }
 

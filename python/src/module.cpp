@@ -50,6 +50,7 @@ NB_MODULE(_megamoe, m) {
   py::register_formats(m);
   py::register_config(m);
   py::register_weights(m);
+  py::register_ep(m);
   py::register_layer(m);
   py::register_reference(m);
   py::register_routing(m);

@@ -6,6 +6,7 @@
     megamoe.FormatError           ValueError    malformed file
     megamoe.IoError               OSError       unreadable file
     megamoe.UnsupportedError      RuntimeError  not possible in this build / on this machine
+    megamoe.TimeoutError          TimeoutError  a rank of an EP group did not arrive in time
 """
 
 import numpy as np
@@ -23,6 +24,7 @@ EXPECTED_BASES = {
     "UnsupportedError": RuntimeError,
     "CudaError": RuntimeError,
     "InternalError": RuntimeError,
+    "TimeoutError": TimeoutError,
 }
 
 
