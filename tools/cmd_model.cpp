@@ -3,7 +3,9 @@
 // Loads the checkpoint through the normal path (checkpoint reader -> canonical MoE weights ->
 // MoeLayer on the chosen backend), warms up, greedy-decodes held-out problems in one batch with
 // a KV cache, prints a few problems with their answers, and reports the accuracy against the
-// gate (model.hpp kAccuracyGate). Exit code kExitCheckFailed when the gate fails.
+// gate (model.hpp kAccuracyGate). Exit code kExitCheckFailed when the gate fails. With
+// --ep-size R each MoE layer's experts are spread over R virtual EP ranks on the GPU
+// (ModelOptions::ep_size); the answers are those of R = 1.
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -32,6 +34,7 @@ struct ModelCmdOptions {
   int64_t show = 3;
   int threads = 0;
   bool fast_math = false;
+  int ep_size = 1;
   double gate = model::kAccuracyGate;
   bool json = false;
 };
@@ -51,6 +54,7 @@ int run_model(const ModelCmdOptions& o) {
   model::ModelOptions mo;
   mo.backend = o.backend;
   mo.fast_math = o.fast_math;
+  mo.ep_size = o.ep_size;
   model::KimiMiniModel m = model::KimiMiniModel::load(dir, mo);
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::vector<model::Problem> problems = model::load_problems(problems_path);
@@ -78,6 +82,7 @@ int run_model(const ModelCmdOptions& o) {
     j["backend"] = m.moe_backend();
     j["threads"] = num_threads();
     j["fast_math"] = o.fast_math;
+    j["ep_size"] = m.ep_size();
     j["config"] = {{"d_model", c.d_model}, {"layers", c.n_layers}, {"experts", c.num_experts},
                    {"top_k", c.top_k}, {"latent", c.latent_dim},
                    {"expert_intermediate", c.expert_intermediate}};
@@ -92,12 +97,16 @@ int run_model(const ModelCmdOptions& o) {
     std::printf("%s\n", j.dump(1).c_str());
   } else {
     std::printf("megamoe model: %s\n", dir.c_str());
+    const std::string ep =
+        m.ep_size() > 1 ? " over " + std::to_string(m.ep_size()) + " virtual EP ranks" : "";
     std::printf("  model     d_model %lld, %lld layers, MoE E=%lld top-%lld on latent %lld, "
-                "I=%lld, SiTU; routed experts MXFP4 on backend %s, fast_math %s, %d host threads\n",
+                "I=%lld, SiTU; routed experts MXFP4 on backend %s%s, fast_math %s, %d host "
+                "threads\n",
                 static_cast<long long>(c.d_model), static_cast<long long>(c.n_layers),
                 static_cast<long long>(c.num_experts), static_cast<long long>(c.top_k),
                 static_cast<long long>(c.latent_dim), static_cast<long long>(c.expert_intermediate),
-                m.moe_backend().c_str(), o.fast_math ? "on" : "off (exact)", num_threads());
+                m.moe_backend().c_str(), ep.c_str(), o.fast_math ? "on" : "off (exact)",
+                num_threads());
     std::printf("  loaded    in %.2f s, warm-up %.2f s\n", load_s, warm_s);
     for (int64_t i = 0; i < std::min<int64_t>(o.show, r.total); ++i) {
       const auto& p = problems[static_cast<size_t>(i)];
@@ -133,6 +142,11 @@ CommandMain setup_model_command(CLI::App& app) {
   app.add_flag("--fast-math", o->fast_math,
                "fast_math on (the layer default: approximate exp/rcp in the expert activation); "
                "default off, as the model was trained");
+  app.add_option("--ep-size", o->ep_size,
+                 "Spread each MoE layer's experts over R virtual EP ranks on the GPU (sm90 "
+                 "backend; R must divide the model's experts); each call's tokens are split into "
+                 "R chunks, one per rank. The answers equal R = 1's")
+      ->capture_default_str();
   app.add_option("--gate", o->gate, "Accuracy the run must reach")->capture_default_str();
   app.add_flag("--json", o->json, "Print one JSON object");
   return [o] { return run_model(*o); };

@@ -1,6 +1,13 @@
 // `megamoe run`: one MoE layer call on synthetic MXFP4 weights, timed and checked against the
 // FP64 ideal MoE (and, for a non-CPU backend, against the CPU reference of the contract). With
 // no option at all it runs the example model instead (`megamoe model` at its defaults).
+//
+// Expert parallelism has two modes:
+//   slice    --ep-rank r given (or the cpu backend): rank r's experts on its own tokens, no
+//            communication; slots routed to other ranks' experts are skipped
+//   virtual  --ep-size R > 1 without --ep-rank on the sm90 backend: R ranks of one EP group on
+//            this GPU (EpGroup::create_virtual), each with its tokens, experts and stream, every
+//            call exchanging tokens and results; checked against one EP=1 layer on all tokens
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -12,6 +19,7 @@
 #include <vector>
 
 #include "megamoe/buffer.hpp"
+#include "megamoe/ep.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/formats.hpp"
 #include "megamoe/layer.hpp"
@@ -21,6 +29,12 @@
 #include "megamoe/weights.hpp"
 #include "tools/cli.hpp"
 #include "tools/cmd_model.hpp"
+
+#if defined(MEGAMOE_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include "runtime/cuda_check.hpp"
+#endif
 
 namespace megamoe::cli {
 namespace {
@@ -38,6 +52,9 @@ struct RunOptions {
   uint64_t seed = 0;
   int ep_size = 1;
   int ep_rank = 0;
+  bool ep_rank_given = false;  // set from the parsed command line: slice mode
+  double ep_timeout = EpOptions{}.timeout_s;
+  int64_t ep_max_recv_rows = 0;
   std::string routing = "uniform";
   std::string bias = "auto";
   int64_t capacity = 0;  // 0 = tokens
@@ -55,6 +72,7 @@ struct RunOptions {
 // int64 range, so a larger --tokens is refused by name instead of failing in the allocator.
 constexpr int64_t kMaxTokens = int64_t{1} << 24;
 constexpr int kMaxCount = 1 << 20;  // --threads
+constexpr double kMaxEpTimeout = 3600;  // EpOptions.timeout_s accepts up to an hour
 
 const CLI::Validator kFiniteNonNegative(
     [](std::string& text) -> std::string {
@@ -93,11 +111,19 @@ struct DeviceCopy {
   }
 };
 
-int run(const RunOptions& o) {
-  const auto t_start = std::chrono::steady_clock::now();
-  if (o.threads > 0) set_num_threads(o.threads);
-
+// What both modes share: the layer configuration (ep_rank = --ep-rank, 0 when not given), the
+// options checked once, and the backend with "auto" resolved.
+struct RunSetup {
   LayerConfig cfg;
+  bool with_bias = false;
+  RoutingKind routing_kind = RoutingKind::kUniform;
+  std::string backend;
+};
+
+RunSetup setup_run(const RunOptions& o) {
+  if (o.threads > 0) set_num_threads(o.threads);
+  RunSetup s;
+  LayerConfig& cfg = s.cfg;
   cfg.shape = shape_preset(o.shape);
   if (o.hidden) cfg.shape.hidden = o.hidden;
   if (o.intermediate) cfg.shape.intermediate = o.intermediate;
@@ -117,9 +143,27 @@ int run(const RunOptions& o) {
   cfg.validate();
   MEGAMOE_CHECK_ARG(o.bias == "auto" || o.bias == "on" || o.bias == "off",
                     "--bias: expected auto, on or off, got '", o.bias, "'");
-  const bool with_bias = o.bias == "on" || (o.bias == "auto" && o.shape == "gpt-oss-120b");
+  s.with_bias = o.bias == "on" || (o.bias == "auto" && o.shape == "gpt-oss-120b");
   MEGAMOE_CHECK_ARG(o.iters >= 1 && o.warmup >= 0, "--iters must be >= 1 and --warmup >= 0");
-  const RoutingKind routing_kind = parse_routing_kind(o.routing);
+  // Checked in either mode, so that a command line means the same on every machine.
+  MEGAMOE_CHECK_ARG(std::isfinite(o.ep_timeout) && o.ep_timeout > 0 && o.ep_timeout <= kMaxEpTimeout,
+                    "--ep-timeout must be a number of seconds in (0, ", kMaxEpTimeout, "], got ",
+                    o.ep_timeout);
+  MEGAMOE_CHECK_ARG(o.ep_max_recv_rows >= 0, "--ep-max-recv-rows must be >= 0 (0 = the worst case), got ",
+                    o.ep_max_recv_rows);
+  s.routing_kind = parse_routing_kind(o.routing);
+  s.backend = o.backend == "auto" ? available_backends().front() : o.backend;
+  return s;
+}
+
+// One rank alone: rank ep_rank's experts on --tokens tokens (the whole layer when ep_size = 1).
+int run_slice(const RunOptions& o, const RunSetup& s, std::chrono::steady_clock::time_point t_start) {
+  const LayerConfig& cfg = s.cfg;
+  const bool with_bias = s.with_bias;
+  const RoutingKind routing_kind = s.routing_kind;
+  const std::string& chosen = s.backend;
+  // --ep-size alone on a backend without communication: rank 0's slice, and the output says so.
+  const bool implicit_rank = cfg.ep_size > 1 && !o.ep_rank_given;
 
   const int64_t T = o.tokens, H = cfg.shape.hidden, K = cfg.shape.top_k;
   const auto t_weights = std::chrono::steady_clock::now();
@@ -139,7 +183,6 @@ int run(const RunOptions& o) {
                   ideal.data());
     ideal_s = seconds_since(t0);
   }
-  const std::string chosen = o.backend == "auto" ? available_backends().front() : o.backend;
   std::vector<uint16_t> contract;
   if (!o.no_check && chosen != "cpu") {
     contract.resize(static_cast<size_t>(T * H));
@@ -214,7 +257,7 @@ int run(const RunOptions& o) {
     j["backend"] = layer.backend();
     j["fast_math"] = cfg.fast_math;
     j["gemm_tile"] = cfg.sm90.gemm_tile;
-    j["ep"] = {{"size", cfg.ep_size}, {"rank", cfg.ep_rank},
+    j["ep"] = {{"mode", "slice"}, {"size", cfg.ep_size}, {"rank", cfg.ep_rank},
                {"first_local_expert", cfg.first_local_expert()},
                {"local_experts", cfg.num_local_experts()}, {"local_slots", local_slots}};
     j["bias"] = with_bias;
@@ -252,6 +295,10 @@ int run(const RunOptions& o) {
                 static_cast<long long>(cfg.first_local_expert() + cfg.num_local_experts()),
                 static_cast<long long>(local_slots), static_cast<double>(weight_bytes) / kBytesPerMiB,
                 weights_s * 1e3);
+    if (implicit_rank)
+      std::printf("  note        --ep-size without --ep-rank runs rank 0's slice on the %s backend; "
+                  "all %d ranks exchanging tokens (virtual ranks) need the sm90 backend\n",
+                  chosen.c_str(), cfg.ep_size);
     std::printf("  backend     %s on %s, fast_math %s, %d host threads\n", layer.backend().c_str(),
                 device_name(dev).c_str(), cfg.fast_math ? "on" : "off (exact)", num_threads());
     std::printf("  time        %.3f ms median, %.3f ms min over %d calls (after %d warm-up), "
@@ -275,6 +322,312 @@ int run(const RunOptions& o) {
   return pass ? kExitOk : kExitCheckFailed;
 }
 
+// One virtual rank's stream, and the CUDA events that time its part of each group call.
+class RankStream {
+ public:
+  RankStream(const RankStream&) = delete;
+  RankStream& operator=(const RankStream&) = delete;
+#if defined(MEGAMOE_WITH_CUDA)
+  // Non-blocking: the legacy default stream (copy_bytes, the check's layer) neither waits for a
+  // rank's calls nor makes them wait, so nothing outside the group call orders one rank's launches
+  // behind another's (a rank whose launch waited for a peer's call would never meet it).
+  RankStream() {
+    MEGAMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    MEGAMOE_CUDA_CHECK(cudaEventCreate(&start_));
+    MEGAMOE_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~RankStream() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+    cudaStreamDestroy(stream_);
+  }
+  void* stream() const { return stream_; }
+  void start() { MEGAMOE_CUDA_CHECK(cudaEventRecord(start_, stream_)); }
+  void stop() { MEGAMOE_CUDA_CHECK(cudaEventRecord(stop_, stream_)); }
+  void synchronize() { MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  double elapsed_ms() const {
+    float ms = 0;
+    MEGAMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    return ms;
+  }
+  // Waits for the copies made on the legacy default stream: one from pageable host memory may
+  // return before its DMA has landed, and the rank streams are not ordered after it.
+  static void wait_for_copies() { MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+#else
+  // Unreachable in practice: EpGroup::create_virtual already refuses a build without CUDA.
+  RankStream() { fail(ErrorCode::kUnsupported, "virtual EP ranks need a CUDA build"); }
+  void* stream() const { return nullptr; }
+  void start() {}
+  void stop() {}
+  void synchronize() {}
+  double elapsed_ms() const { return 0; }
+  static void wait_for_copies() {}
+#endif
+};
+
+// Median and minimum of a non-empty series.
+std::pair<double, double> median_min(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v.front()};
+}
+
+// R ranks of one EP group on this GPU (EpGroup::create_virtual): rank r has --tokens tokens
+// (routing and activations seeded with seed + r), the experts [r E_l, (r+1) E_l) of the synthetic
+// weights and its own stream. Every call launches all R forwards from this thread (forward never
+// waits for the device), so they are in flight together as the group requires. The check runs one
+// EP=1 layer with all E experts on every rank's tokens: the group's output must match it.
+int run_virtual(const RunOptions& o, const RunSetup& s, std::chrono::steady_clock::time_point t_start) {
+  const LayerConfig& base = s.cfg;
+  const int R = base.ep_size;
+  const int64_t T = o.tokens, H = base.shape.hidden, K = base.shape.top_k,
+                E = base.shape.num_experts, I = base.shape.intermediate;
+  const int64_t total = int64_t{R} * T;
+  MEGAMOE_CHECK_ARG(total <= kMaxTokens, "--ep-size * --tokens must be <= ", kMaxTokens,
+                    " (the check's layer takes every rank's tokens), got ", total);
+  // Refused before anything runs: one rank above its capacity would still take part in the call
+  // (as T = 0) and throw only after the others were launched.
+  MEGAMOE_CHECK(T <= base.max_tokens_per_rank, ErrorCode::kOutOfRange, "--tokens ", T,
+                " exceeds max_tokens_per_rank = ", base.max_tokens_per_rank,
+                " of every rank (--capacity)");
+  EpOptions ep_options;
+  ep_options.timeout_s = o.ep_timeout;
+  ep_options.max_recv_rows = o.ep_max_recv_rows;
+  const auto t_setup = std::chrono::steady_clock::now();
+  const std::vector<std::shared_ptr<EpGroup>> groups = EpGroup::create_virtual(R, base, ep_options);
+
+  // Every rank's tokens, rank after rank: rank r's rows are [r T, (r+1) T) of these arrays, which
+  // the check's EP=1 layer takes in one call.
+  std::vector<uint16_t> x(static_cast<size_t>(total * H));
+  std::vector<int32_t> idx(static_cast<size_t>(total * K));
+  std::vector<float> w(static_cast<size_t>(total * K));
+  for (int r = 0; r < R; ++r) {
+    const Routing routing = make_routing(s.routing_kind, T, E, K, o.seed + r);
+    const std::vector<uint16_t> xr = synthetic_activations(T, H, o.seed + r);
+    std::copy(routing.topk_idx.begin(), routing.topk_idx.end(), idx.begin() + r * T * K);
+    std::copy(routing.topk_weights.begin(), routing.topk_weights.end(), w.begin() + r * T * K);
+    std::copy(xr.begin(), xr.end(), x.begin() + r * T * H);
+  }
+
+  // Each rank generates only its own experts: synthetic weights are a function of the global
+  // expert id (src/moe/weights.cpp), so these are exactly slices of the EP=1 layer's weights.
+  std::vector<std::unique_ptr<MoeLayer>> layers;
+  double weights_s = 0;
+  int64_t rank_weight_bytes = 0;
+  for (int r = 0; r < R; ++r) {
+    LayerConfig cfg_r = base;
+    cfg_r.ep_rank = r;
+    const auto t_weights = std::chrono::steady_clock::now();
+    MoeWeights wr = synthetic_weights(cfg_r, o.seed, s.with_bias);
+    weights_s += seconds_since(t_weights);
+    rank_weight_bytes = wr.total_bytes();
+    layers.push_back(std::make_unique<MoeLayer>(cfg_r, std::move(wr), groups[static_cast<size_t>(r)],
+                                                s.backend));
+  }
+  const double layer_s = seconds_since(t_setup) - weights_s;
+  const std::string backend_name = layers.front()->backend();
+  const Device dev = layers.front()->device();
+  const int64_t x_bytes = total * H * dtype_bytes(DType::kBF16);
+  DeviceCopy d_x(x.data(), x_bytes, dev);
+  DeviceCopy d_idx(idx.data(), total * K * dtype_bytes(DType::kI32), dev);
+  DeviceCopy d_w(w.data(), total * K * dtype_bytes(DType::kF32), dev);
+  Buffer y_dev(x_bytes, dev);
+  auto rank_rows = [&](void* all, DType dtype, int64_t width, int r) {
+    return TensorView::contiguous(static_cast<uint8_t*>(all) + r * T * width * dtype_bytes(dtype),
+                                  dtype, {T, width}, dev);
+  };
+  std::vector<std::unique_ptr<RankStream>> streams;
+  for (int r = 0; r < R; ++r) streams.push_back(std::make_unique<RankStream>());
+  RankStream::wait_for_copies();
+
+  // NOTES: a rank's time (CUDA events on its stream) includes waiting for the other ranks'
+  // tokens and rows; the wall time is the whole group call, from the first launch until every
+  // stream is done, as the caller of R ranks sees it. Neither includes copying y to the host.
+  std::vector<std::vector<double>> rank_ms(static_cast<size_t>(R));
+  std::vector<double> wall;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < R; ++r) {
+      RankStream& st = *streams[static_cast<size_t>(r)];
+      st.start();
+      layers[static_cast<size_t>(r)]->forward(
+          rank_rows(d_x.ptr, DType::kBF16, H, r), rank_rows(d_idx.ptr, DType::kI32, K, r),
+          rank_rows(d_w.ptr, DType::kF32, K, r), rank_rows(y_dev.data(), DType::kBF16, H, r),
+          st.stream());
+      st.stop();
+    }
+    for (auto& st : streams) st->synchronize();
+    const double wall_s = seconds_since(t0);
+    // Device-side errors (a timeout, a receive overflow) end the run at the call that had them.
+    for (int r = 0; r < R; ++r)
+      layers[static_cast<size_t>(r)]->check_errors(streams[static_cast<size_t>(r)]->stream());
+    if (i < o.warmup) continue;
+    wall.push_back(wall_s);
+    for (int r = 0; r < R; ++r)
+      rank_ms[static_cast<size_t>(r)].push_back(streams[static_cast<size_t>(r)]->elapsed_ms());
+  }
+  std::vector<int64_t> recv_rows(static_cast<size_t>(R), 0);
+  for (int r = 0; r < R; ++r)
+    for (int64_t n : layers[static_cast<size_t>(r)]->expert_rows(streams[static_cast<size_t>(r)]->stream()))
+      recv_rows[static_cast<size_t>(r)] += n;
+  std::vector<uint16_t> y(static_cast<size_t>(total * H));
+  copy_bytes(y.data(), Device::cpu(), y_dev.data(), dev, x_bytes);
+  layers.clear();  // the check's layer holds all E experts: one copy of the weights at a time
+
+  const auto [wall_median_s, wall_min_s] = median_min(wall);
+  std::vector<std::pair<double, double>> rank_times;
+  double max_rank_median = 0;
+  for (const auto& ms : rank_ms) {
+    rank_times.push_back(median_min(ms));
+    max_rank_median = std::max(max_rank_median, rank_times.back().first);
+  }
+  int64_t slots = 0;
+  for (int32_t e : idx) slots += e >= 0;
+  const double flops = 6.0 * static_cast<double>(slots) * static_cast<double>(H) * static_cast<double>(I);
+  const double gflops = wall_median_s > 0 ? flops / wall_median_s * 1e-9 : 0.0;
+
+  // The check: one EP=1 layer (all E experts, capacity R T) on the same tokens, and the FP64
+  // ideal of those tokens for both.
+  DiffReport rep, rep_ep1;
+  int64_t mismatches = 0;
+  double ep1_diff = 0, ideal_s = 0;
+  bool pass = true;
+  if (!o.no_check) {
+    LayerConfig full = base;
+    full.ep_size = 1;
+    full.ep_rank = 0;
+    full.max_tokens_per_rank = std::max<int64_t>(total, 1);
+    MoeWeights wf = synthetic_weights(full, o.seed, s.with_bias);
+    std::vector<double> ideal(static_cast<size_t>(total * H));
+    const auto t0 = std::chrono::steady_clock::now();
+    ideal_forward(full, wf, x.data(), idx.data(), w.data(), total, ideal.data());
+    ideal_s = seconds_since(t0);
+    MoeLayer ep1(full, std::move(wf), s.backend);
+    Buffer y_ep1_dev(x_bytes, dev);
+    ep1.forward(TensorView::contiguous(d_x.ptr, DType::kBF16, {total, H}, dev),
+                TensorView::contiguous(d_idx.ptr, DType::kI32, {total, K}, dev),
+                TensorView::contiguous(d_w.ptr, DType::kF32, {total, K}, dev),
+                TensorView::contiguous(y_ep1_dev.data(), DType::kBF16, {total, H}, dev));
+    std::vector<uint16_t> y_ep1(y.size());
+    // copy_bytes runs on the legacy default stream, after the layer's work on it
+    copy_bytes(y_ep1.data(), Device::cpu(), y_ep1_dev.data(), dev, x_bytes);
+    ep1.check_errors(nullptr);
+    std::vector<double> a(y.size()), b(y.size());
+    for (size_t i = 0; i < y.size(); ++i) {
+      a[i] = bf16_to_f32(y[i]);
+      b[i] = bf16_to_f32(y_ep1[i]);
+      mismatches += y[i] != y_ep1[i];
+    }
+    ep1_diff = diff_metric(a.data(), b.data(), static_cast<int64_t>(a.size()));
+    rep = compare_output(full, y.data(), ideal.data(), idx.data(), total);
+    rep_ep1 = compare_output(full, y_ep1.data(), ideal.data(), idx.data(), total);
+    auto within = [&](double d) { return std::isfinite(d) && d <= o.max_diff; };
+    pass = within(rep.diff) && within(rep.worst_row_diff) && within(rep.worst_expert_diff);
+  }
+
+  const int64_t el = base.num_local_experts();
+  const EpGroup& g0 = *groups.front();
+  if (o.json) {
+    nlohmann::json j;
+    j["shape"] = {{"name", o.shape}, {"hidden", H}, {"intermediate", I}, {"experts", E}, {"top_k", K}};
+    j["activation"] = base.activation.to_string();
+    j["tokens"] = T;
+    j["routing"] = routing_kind_name(s.routing_kind);
+    j["seed"] = o.seed;
+    j["backend"] = backend_name;
+    j["fast_math"] = base.fast_math;
+    j["gemm_tile"] = base.sm90.gemm_tile;
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int r = 0; r < R; ++r) {
+      const auto& t = rank_times[static_cast<size_t>(r)];
+      ranks.push_back({{"rank", r}, {"first_local_expert", r * el}, {"seed", o.seed + r},
+                       {"recv_rows", recv_rows[static_cast<size_t>(r)]},
+                       {"time_ms", {{"median", t.first}, {"min", t.second}}}});
+    }
+    j["ep"] = {{"mode", "virtual"}, {"size", R}, {"transport", g0.transport()},
+               {"local_experts", el}, {"tokens_per_rank", T}, {"total_tokens", total},
+               {"timeout_s", g0.options().timeout_s}, {"max_recv_rows", g0.max_recv_rows()},
+               {"window_bytes", g0.window_bytes()}, {"ranks", ranks},
+               {"max_rank_median_ms", max_rank_median},
+               {"wall_ms", {{"median", wall_median_s * 1e3}, {"min", wall_min_s * 1e3}}}};
+    if (!o.no_check)
+      j["ep"]["check"] = {{"reference", "sm90 layer, EP=1, all experts, every rank's tokens"},
+                          {"elements", static_cast<int64_t>(y.size())},
+                          {"mismatches", mismatches},
+                          {"diff", ep1_diff},
+                          {"reference_ideal_diff", rep_ep1.diff}};
+    j["bias"] = s.with_bias;
+    j["threads"] = num_threads();
+    j["weights"] = {{"bytes", rank_weight_bytes * R}, {"bytes_per_rank", rank_weight_bytes},
+                    {"generate_ms", weights_s * 1e3}, {"layer_setup_ms", layer_s * 1e3}};
+    j["time_ms"] = {{"median", wall_median_s * 1e3}, {"min", wall_min_s * 1e3}, {"iters", o.iters},
+                    {"warmup", o.warmup}};
+    j["effective_gflops"] = gflops;
+    if (!o.no_check)
+      j["check"] = {{"diff", rep.diff},
+                    {"worst_row", rep.worst_row},
+                    {"worst_row_diff", rep.worst_row_diff},
+                    {"worst_expert", rep.worst_expert},
+                    {"worst_expert_diff", rep.worst_expert_diff},
+                    {"max_abs_err", rep.max_abs_err},
+                    {"max_diff", o.max_diff},
+                    {"ideal_ms", ideal_s * 1e3},
+                    {"pass", pass}};
+    j["total_s"] = seconds_since(t_start);
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::printf("megamoe run\n");
+    std::printf("  shape       %s: %s\n", o.shape.c_str(), base.shape.to_string().c_str());
+    std::printf("  activation  %s%s\n", base.activation.to_string().c_str(),
+                s.with_bias ? " (with expert biases)" : "");
+    std::printf("  tokens      %lld per rank, %lld in all, routing %s, seed %llu (rank r: seed + r)\n",
+                static_cast<long long>(T), static_cast<long long>(total),
+                routing_kind_name(s.routing_kind), static_cast<unsigned long long>(o.seed));
+    std::printf("  experts     EP %d virtual ranks on one GPU, %lld experts each (rank r: [%lld r, "
+                "%lld (r+1))), %.1f MiB of MXFP4 weights per rank (synthetic, generated in %.0f ms)\n",
+                R, static_cast<long long>(el), static_cast<long long>(el), static_cast<long long>(el),
+                static_cast<double>(rank_weight_bytes) / kBytesPerMiB, weights_s * 1e3);
+    std::printf("  group       timeout %g s, max_recv_rows %lld, window %.1f MiB per rank\n",
+                g0.options().timeout_s, static_cast<long long>(g0.max_recv_rows()),
+                static_cast<double>(g0.window_bytes()) / kBytesPerMiB);
+    std::printf("  backend     %s on %s, fast_math %s, %d host threads\n", backend_name.c_str(),
+                device_name(dev).c_str(), base.fast_math ? "on" : "off (exact)", num_threads());
+    for (int r = 0; r < R; ++r) {
+      const auto& t = rank_times[static_cast<size_t>(r)];
+      std::printf("  rank %-6d %.3f ms median, %.3f ms min; %lld rows received\n", r, t.first,
+                  t.second, static_cast<long long>(recv_rows[static_cast<size_t>(r)]));
+    }
+    std::printf("  time        %.3f ms max rank median (CUDA events on each rank's stream); group "
+                "call %.3f ms median, %.3f ms min wall over %d calls (after %d warm-up), "
+                "%.1f GFLOP/s effective\n",
+                max_rank_median, wall_median_s * 1e3, wall_min_s * 1e3, o.iters, o.warmup, gflops);
+    if (o.no_check) {
+      std::printf("  accuracy    not checked (--no-check)\n");
+    } else {
+      std::printf("  accuracy    diff %.3e vs the FP64 ideal MoE (limit %.0e); worst row %lld "
+                  "(%.3e), worst expert %lld (%.3e), max |err| %.4g\n",
+                  rep.diff, o.max_diff, static_cast<long long>(rep.worst_row), rep.worst_row_diff,
+                  static_cast<long long>(rep.worst_expert), rep.worst_expert_diff, rep.max_abs_err);
+      std::printf("  vs EP=1     %lld of %lld outputs differ from one sm90 layer with all %lld "
+                  "experts on the %lld tokens (diff %.3e; that layer's diff vs the ideal %.3e)\n",
+                  static_cast<long long>(mismatches), static_cast<long long>(y.size()),
+                  static_cast<long long>(E), static_cast<long long>(total), ep1_diff, rep_ep1.diff);
+      std::printf("  result      %s\n", pass ? "PASS" : "FAIL (error above the limit)");
+    }
+  }
+  return pass ? kExitOk : kExitCheckFailed;
+}
+
+int run(const RunOptions& o) {
+  const auto t_start = std::chrono::steady_clock::now();
+  const RunSetup s = setup_run(o);
+  if (!o.ep_rank_given && s.cfg.ep_size > 1 && s.backend == "sm90") return run_virtual(o, s, t_start);
+  return run_slice(o, s, t_start);
+}
+
 const Command kRun{
     "run",
     "Run one MoE layer on synthetic MXFP4 weights and check it against the FP64 ideal MoE "
@@ -288,7 +641,8 @@ const Command kRun{
       app.add_option("--intermediate", o->intermediate, "Override I (multiple of 32)");
       app.add_option("--experts", o->experts, "Override E (experts in total)");
       app.add_option("--top-k", o->top_k, "Override K (experts per token)");
-      app.add_option("--tokens,-t", o->tokens, "Tokens T on this rank (0 is valid)")
+      app.add_option("--tokens,-t", o->tokens, "Tokens T on this rank, on each rank with virtual "
+                     "ranks (0 is valid)")
           ->capture_default_str();
       app.add_option("--activation", o->activation,
                      "Activation by name: swiglu, swiglu:clamp=7, situ, "
@@ -301,10 +655,25 @@ const Command kRun{
       app.add_option("--seed", o->seed, "Seed of weights, routing and activations")
           ->check(kUnsignedInteger)
           ->capture_default_str();
-      app.add_option("--ep-size", o->ep_size, "Expert-parallel ranks R (must divide E)")
+      app.add_option("--ep-size", o->ep_size,
+                     "Expert-parallel ranks R (must divide E). Without --ep-rank on the sm90 "
+                     "backend: all R ranks as virtual ranks of one EP group on this GPU, each with "
+                     "--tokens tokens, exchanging tokens and results (per-rank and group times; "
+                     "checked against one EP=1 layer on all R*T tokens). On the cpu backend, which "
+                     "has no communication: rank 0's slice, as --ep-rank 0")
           ->capture_default_str();
-      app.add_option("--ep-rank", o->ep_rank,
-                     "This rank r: computes experts [r*E/R, (r+1)*E/R) only")
+      CLI::Option* ep_rank =
+          app.add_option("--ep-rank", o->ep_rank,
+                         "This rank r alone: computes experts [r*E/R, (r+1)*E/R) of its --tokens "
+                         "tokens, no communication (slots of other ranks' experts are skipped)")
+              ->capture_default_str();
+      app.add_option("--ep-timeout", o->ep_timeout,
+                     "Virtual ranks: seconds a rank waits for another before the call fails with "
+                     "a timeout error, in (0, 3600]")
+          ->capture_default_str();
+      app.add_option("--ep-max-recv-rows", o->ep_max_recv_rows,
+                     "Virtual ranks: rows one rank may receive per call (0 = the worst case, "
+                     "R*capacity*min(K, E/R)); a call above it fails on every rank")
           ->capture_default_str();
       app.add_option("--routing", o->routing,
                      "uniform (distinct uniform experts), skewed (Zipf s=1.2), adversarial "
@@ -313,7 +682,8 @@ const Command kRun{
       app.add_option("--bias", o->bias, "Synthetic expert biases: auto (on for gpt-oss-120b), on, off")
           ->capture_default_str();
       app.add_option("--capacity", o->capacity,
-                     "max_tokens_per_rank of the layer (default: --tokens)");
+                     "max_tokens_per_rank of the layer, of each rank with virtual ranks "
+                     "(default: --tokens)");
       app.add_option("--warmup", o->warmup, "Untimed calls first")->capture_default_str();
       app.add_option("--iters", o->iters, "Timed calls (median and min reported)")
           ->capture_default_str();
@@ -328,7 +698,8 @@ const Command kRun{
       o->sm90.add_to(app);
       // NOTES: `megamoe run` with no option at all is the README's main job: the example model
       // (examples/kimi_mini) answering problems. Any option selects the synthetic layer.
-      return [o, &app] {
+      return [o, &app, ep_rank] {
+        o->ep_rank_given = ep_rank->count() > 0;
         for (const CLI::Option* opt : app.get_options())
           if (opt->count() > 0) return run(*o);
         return run_default_model();

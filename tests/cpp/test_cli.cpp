@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 
 #include "test_util.hpp"
 
@@ -115,6 +116,82 @@ TEST_F(Cli, BadInputIsReportedNotCrashed) {
   EXPECT_NE(r.exit_code, 0) << "a subcommand is required";
 }
 
+// --ep-size without --ep-rank: on the sm90 backend all R ranks run as virtual ranks of one EP
+// group on the GPU (checked against an EP=1 layer); on the cpu backend, which has no
+// communication, it is rank 0's slice, and the output says so.
+TEST_F(Cli, EpSizeWithoutRankIsVirtualOnSm90AndRankZeroOnCpu) {
+  CliResult r = run_cli("run --json --ep-size 2 --tokens 16 --iters 1 --warmup 0 --seed 3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  if (j["backend"] == "cpu") {
+    EXPECT_EQ(j["ep"]["mode"], "slice");
+    EXPECT_EQ(j["ep"]["rank"], 0);
+    EXPECT_EQ(j["ep"]["first_local_expert"], 0);
+    EXPECT_EQ(j["ep"]["local_experts"], 16);
+  } else {
+    EXPECT_EQ(j["backend"], "sm90");
+    EXPECT_EQ(j["ep"]["mode"], "virtual");
+    EXPECT_EQ(j["ep"]["size"], 2);
+    EXPECT_EQ(j["ep"]["total_tokens"], 32);
+    ASSERT_EQ(j["ep"]["ranks"].size(), 2u);
+    EXPECT_EQ(j["ep"]["ranks"][1]["first_local_expert"], 16);
+    EXPECT_GT(j["ep"]["ranks"][1]["time_ms"]["median"].get<double>(), 0.0);
+    EXPECT_EQ(j["ep"]["check"]["elements"], 32 * 1024);
+    EXPECT_GE(j["ep"]["check"]["mismatches"].get<int64_t>(), 0);
+    EXPECT_LT(j["ep"]["check"]["diff"].get<double>(), 1e-4);
+  }
+  EXPECT_EQ(j["check"]["pass"], true);
+
+  r = run_cli("run --ep-size 2 --tokens 8 --iters 1 --warmup 0 --backend cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* fragment : {"EP rank 0 of 2: local experts [0, 16)",
+                               "note        --ep-size without --ep-rank runs rank 0's slice on the "
+                               "cpu backend; all 2 ranks exchanging tokens (virtual ranks) need the "
+                               "sm90 backend"})
+    EXPECT_NE(r.output.find(fragment), std::string::npos) << "missing '" << fragment << "' in:\n" << r.output;
+  r = run_cli("run --ep-size 2 --ep-rank 0 --tokens 8 --iters 1 --warmup 0 --backend cpu --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["ep"]["mode"], "slice") << "an explicit --ep-rank is one rank on every backend";
+
+  // Explicitly on sm90: the virtual ranks, or "unsupported" where there is no sm_90 GPU.
+  r = run_cli("run --backend sm90 --ep-size 4 --tokens 4 --iters 1 --warmup 0");
+  if (r.exit_code == 0) {
+    EXPECT_NE(r.output.find("EP 4 virtual ranks on one GPU"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("vs EP=1"), std::string::npos) << r.output;
+  } else {
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("error (unsupported)"), std::string::npos) << r.output;
+  }
+}
+
+TEST_F(Cli, EpFlagsAreValidated) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"run --ep-size 3", "ep_size 3 must divide num_experts 32"},
+      {"run --ep-size 8 --experts 12", "ep_size 8 must divide num_experts 12"},
+      {"run --ep-size 0", "ep_size must be >= 1, got 0"},
+      {"run --ep-size 2 --ep-timeout 0", "--ep-timeout must be a number of seconds in (0, 3600], got 0"},
+      {"run --ep-size 2 --ep-timeout -1.5", "--ep-timeout must be a number of seconds in (0, 3600], got -1.5"},
+      {"run --ep-size 2 --ep-timeout 7200", "--ep-timeout must be a number of seconds in (0, 3600], got 7200"},
+      {"run --ep-size 2 --ep-max-recv-rows -1", "--ep-max-recv-rows must be >= 0 (0 = the worst case), got -1"},
+      {"model --ep-size 3", "ep_size 3 must divide num_experts 32"},
+      {"model --ep-size 0", "model: ep_size must be >= 1, got 0"},
+  };
+  for (const auto& [args, fragment] : cases) {
+    SCOPED_TRACE(args);
+    const CliResult r = run_cli(args);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("error (invalid argument)"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(fragment), std::string::npos) << r.output;
+  }
+  const CliResult r = run_cli("model --ep-size 2 --backend cpu");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error (unsupported): model: ep_size 2 runs each MoE layer on 2 virtual "
+                          "ranks of one GPU, which needs the sm90 backend; the backend here is 'cpu'"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST_F(Cli, HelpDocumentsEveryOption) {
   CliResult r = run_cli("--help");
   EXPECT_EQ(r.exit_code, 0);
@@ -124,8 +201,12 @@ TEST_F(Cli, HelpDocumentsEveryOption) {
   for (const char* opt : {"--shape", "--tokens", "--activation", "--backend", "--exact", "--seed",
                           "--ep-size", "--ep-rank", "--routing", "--bias", "--capacity", "--warmup",
                           "--iters", "--threads", "--no-check", "--max-diff", "--json", "--hidden",
-                          "--intermediate", "--experts", "--top-k"})
+                          "--intermediate", "--experts", "--top-k", "--ep-timeout",
+                          "--ep-max-recv-rows", "virtual ranks", "On the cpu backend"})
     EXPECT_NE(r.output.find(opt), std::string::npos) << opt << " undocumented:\n" << r.output;
+  r = run_cli("model --help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--ep-size"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -106,6 +106,26 @@ TEST(ModelTask, MissingModelIsAnError) {
                "config.json");
 }
 
+// ModelOptions::ep_size is checked before the checkpoint is read; the virtual ranks need the sm90
+// backend (tests/gpu/test_model_gpu.cpp runs them), the cpu backend refuses them by name.
+TEST(ModelTask, EpSizeIsValidated) {
+  auto load_with = [](int ep_size, const char* backend) {
+    ModelOptions o;
+    o.ep_size = ep_size;
+    o.backend = backend;
+    KimiMiniModel::load(kModelDir, o);
+  };
+  expect_error([&] { load_with(0, "auto"); }, ErrorCode::kInvalidArgument,
+               "model: ep_size must be >= 1, got 0");
+  expect_error([&] { load_with(3, "auto"); }, ErrorCode::kInvalidArgument,
+               "ep_size 3 must divide num_experts 32");
+  expect_error([&] { load_with(2, "tpu"); }, ErrorCode::kInvalidArgument,
+               "model: unknown backend 'tpu'");
+  EXPECT_TRUE(megamoe::test::throws_error([&] { load_with(2, "cpu"); }, ErrorCode::kUnsupported,
+                                          {"model: ep_size 2 runs each MoE layer on 2 virtual ranks",
+                                           "needs the sm90 backend", "'cpu'"}));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The gate on the committed checkpoint
 // ---------------------------------------------------------------------------------------------

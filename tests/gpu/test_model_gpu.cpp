@@ -1,6 +1,7 @@
 // The end-to-end gate on the GPU: examples/kimi_mini with its MoE layers on the sm90 backend
 // reaches the accuracy gate, and its answers equal the CPU backend's on >= 95% of problems, with
-// fast_math off (the model's default, as trained) and on (the layer's default).
+// fast_math off (the model's default, as trained) and on (the layer's default). With each MoE
+// layer's experts over R virtual EP ranks (ModelOptions::ep_size) its answers are those of R = 1.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -53,6 +54,56 @@ void gate_and_agreement_with_cpu(bool fast_math) {
               static_cast<long long>(same), static_cast<long long>(problems.size()));
   EXPECT_GE(r_gpu.accuracy, kAccuracyGate);
   EXPECT_GE(agreement, kCpuAgreementGate);
+}
+
+// R = 2 and 8 (16 and 4 of the 32 experts per rank). Decode steps with fewer running sequences
+// than ranks leave the last ranks without tokens; the three-prompt decode makes that certain.
+TEST(ModelGpu, ExpertParallelAnswersEqualOneRank) {
+  const auto backends = available_backends();
+  if (backends.front() != "sm90") {
+    std::printf("SKIPPED: no sm90 backend in this process (available: %s)\n",
+                backends.front().c_str());
+    GTEST_SKIP() << "no sm90 backend here (needs a CUDA build and an sm_90 GPU)";
+  }
+  ASSERT_TRUE(std::filesystem::exists(kModelDir + "/model.safetensors"))
+      << "no trained checkpoint in " << kModelDir;
+  const auto problems = load_problems(kModelDir + "/heldout.jsonl");
+  const std::vector<std::string> few = {problems[0].prompt(), problems[1].prompt(),
+                                        problems[2].prompt()};
+
+  std::vector<std::string> answers_ep1, few_ep1;
+  for (int ep_size : {1, 2, 8}) {
+    SCOPED_TRACE("ep_size " + std::to_string(ep_size));
+    ModelOptions o;
+    o.backend = "sm90";
+    o.ep_size = ep_size;
+    KimiMiniModel m = KimiMiniModel::load(kModelDir, o);
+    ASSERT_EQ(m.moe_backend(), "sm90");
+    ASSERT_EQ(m.ep_size(), ep_size);
+    const std::vector<std::string> few_answers = m.generate(few, kMaxNewTokens);
+    const EvalReport r = evaluate(m, problems);
+    if (ep_size == 1) {
+      answers_ep1 = r.answers;
+      few_ep1 = few_answers;
+    }
+    constexpr int64_t kShownDifferences = 3;
+    int64_t same = 0;
+    for (size_t i = 0; i < problems.size(); ++i) {
+      const bool eq = r.answers[i] == answers_ep1[i];
+      same += eq;
+      if (!eq && static_cast<int64_t>(i) + 1 - same <= kShownDifferences)
+        std::printf("  EP %d problem %zu: '%s' vs EP 1 '%s'\n", ep_size, i, r.answers[i].c_str(),
+                    answers_ep1[i].c_str());
+    }
+    std::printf("kimi_mini, sm90, EP %d: %lld/%lld = %.3f (%.1f s), answers identical to EP 1: "
+                "%lld/%lld\n",
+                ep_size, static_cast<long long>(r.correct), static_cast<long long>(r.total),
+                r.accuracy, r.seconds, static_cast<long long>(same),
+                static_cast<long long>(problems.size()));
+    EXPECT_GE(r.accuracy, kAccuracyGate);
+    EXPECT_EQ(same, static_cast<int64_t>(problems.size()));
+    EXPECT_EQ(few_answers, few_ep1);
+  }
 }
 
 TEST(ModelGpu, GateAndAgreementWithCpu) { gate_and_agreement_with_cpu(/*fast_math=*/false); }

@@ -1,6 +1,7 @@
 // The kimi_mini model (examples/kimi_mini): loading, the batched forward with a KV cache, and
-// greedy decoding. The routed experts of every layer run in a megamoe::MoeLayer; everything else
-// is FP32 on the host (dense_ops.hpp).
+// greedy decoding. The routed experts of every layer run in a megamoe::MoeLayer (or in one per
+// rank of a virtual EP group: ModelOptions::ep_size); everything else is FP32 on the host
+// (dense_ops.hpp).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -16,11 +17,16 @@
 #include "examples/kimi_mini/cpp/dense_ops.hpp"
 #include "examples/kimi_mini/cpp/model.hpp"
 #include "megamoe/checkpoint.hpp"
+#include "megamoe/ep.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/formats.hpp"
 #include "megamoe/layer.hpp"
 #include "megamoe/parallel.hpp"
 #include "megamoe/routing.hpp"
+
+#if defined(MEGAMOE_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
 
 namespace megamoe::model {
 
@@ -111,7 +117,48 @@ struct LayerWeights {
   std::vector<float> up_proj;                  // [d, latent]
   std::vector<float> shared_gate_up;           // [2 Is, d] gate rows then up rows
   std::vector<float> shared_down;              // [d, Is]
-  std::unique_ptr<MoeLayer> moe;
+  std::vector<std::unique_ptr<MoeLayer>> moe;  // one per EP rank (one without EP)
+};
+
+// The streams of the virtual EP ranks, one per rank. Non-blocking: work on the legacy default
+// stream (the copies) must never wait for a rank's call, which itself waits on the device for
+// the ranks launched after it.
+class RankStreams {
+ public:
+  RankStreams() = default;
+  RankStreams(const RankStreams&) = delete;
+  RankStreams& operator=(const RankStreams&) = delete;
+  ~RankStreams() {
+#if defined(MEGAMOE_WITH_CUDA)
+    for (void* s : streams_) cudaStreamDestroy(static_cast<cudaStream_t>(s));
+#endif
+  }
+  void create(int n) {
+#if defined(MEGAMOE_WITH_CUDA)
+    for (int r = 0; r < n; ++r) {
+      cudaStream_t s = nullptr;
+      const cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      MEGAMOE_CHECK(err == cudaSuccess, ErrorCode::kCuda, "model: cudaStreamCreateWithFlags: ",
+                    cudaGetErrorString(err));
+      streams_.push_back(s);
+    }
+#else
+    fail(ErrorCode::kUnsupported, "model: EP ranks need a CUDA build (", n, " requested)");
+#endif
+  }
+  void* at(int r) const { return streams_[static_cast<size_t>(r)]; }
+  // Waits for the copies just made on the legacy default stream: one from pageable host memory
+  // may return before its DMA has landed, and the rank streams are not ordered after it.
+  static void wait_for_copies() {
+#if defined(MEGAMOE_WITH_CUDA)
+    const cudaError_t err = cudaDeviceSynchronize();
+    MEGAMOE_CHECK(err == cudaSuccess, ErrorCode::kCuda, "model: cudaDeviceSynchronize: ",
+                  cudaGetErrorString(err));
+#endif
+  }
+
+ private:
+  std::vector<void*> streams_;
 };
 
 // Device mirrors of one MoE call's tensors (only for a backend off the host).
@@ -193,6 +240,8 @@ struct KimiMiniModel::Impl {
   std::unique_ptr<dense::RopeTable> rope;
   std::string backend;
   Device device = Device::cpu();
+  int ep_size = 1;
+  RankStreams ep_streams;  // ep_size > 1: rank r's calls run on ep_streams.at(r)
   MoeIo io;
   ExpertUsage usage;
 
@@ -270,10 +319,10 @@ void KimiMiniModel::Impl::moe(int64_t layer, const float* h, int64_t n, float* o
   for (size_t i = 0; i < z.size(); ++i) zb[i] = bf16_from_f32(z[i]);
 
   if (device.type == DeviceType::kCPU) {
-    L.moe->forward(TensorView::contiguous(zb.data(), DType::kBF16, {n, H}),
-                   TensorView::contiguous(idx.data(), DType::kI32, {n, K}),
-                   TensorView::contiguous(w.data(), DType::kF32, {n, K}),
-                   TensorView::contiguous(yb.data(), DType::kBF16, {n, H}));
+    L.moe.front()->forward(TensorView::contiguous(zb.data(), DType::kBF16, {n, H}),
+                           TensorView::contiguous(idx.data(), DType::kI32, {n, K}),
+                           TensorView::contiguous(w.data(), DType::kF32, {n, K}),
+                           TensorView::contiguous(yb.data(), DType::kBF16, {n, H}));
   } else {
     const int64_t xb = n * H * 2, ib = n * K * 4, wb = n * K * 4;
     io.ensure(io.x, xb, device);
@@ -283,13 +332,38 @@ void KimiMiniModel::Impl::moe(int64_t layer, const float* h, int64_t n, float* o
     copy_bytes(io.x.data(), device, zb.data(), Device::cpu(), xb);
     copy_bytes(io.idx.data(), device, idx.data(), Device::cpu(), ib);
     copy_bytes(io.w.data(), device, w.data(), Device::cpu(), wb);
-    L.moe->forward(TensorView::contiguous(io.x.data(), DType::kBF16, {n, H}, device),
-                   TensorView::contiguous(io.idx.data(), DType::kI32, {n, K}, device),
-                   TensorView::contiguous(io.w.data(), DType::kF32, {n, K}, device),
-                   TensorView::contiguous(io.y.data(), DType::kBF16, {n, H}, device));
-    // copy_bytes runs on the legacy default stream, after the layer's work on it
-    copy_bytes(yb.data(), Device::cpu(), io.y.data(), device, xb);
-    L.moe->check_errors();  // expert ids the device rejected, if any (never expected here)
+    if (ep_size == 1) {
+      L.moe.front()->forward(TensorView::contiguous(io.x.data(), DType::kBF16, {n, H}, device),
+                             TensorView::contiguous(io.idx.data(), DType::kI32, {n, K}, device),
+                             TensorView::contiguous(io.w.data(), DType::kF32, {n, K}, device),
+                             TensorView::contiguous(io.y.data(), DType::kBF16, {n, H}, device));
+      // copy_bytes runs on the legacy default stream, after the layer's work on it
+      copy_bytes(yb.data(), Device::cpu(), io.y.data(), device, xb);
+      L.moe.front()->check_errors();  // expert ids the device rejected, if any (never expected)
+    } else {
+      // Rank r takes rows [r c, min(n, (r+1) c)), c = ceil(n / R). Every rank is called, those
+      // past the last row with none: a group call needs all of them. The forwards only enqueue
+      // work, so all ranks are in flight together before the first wait.
+      const int64_t chunk = (n + ep_size - 1) / ep_size;
+      RankStreams::wait_for_copies();
+      auto rows_of = [&](const Buffer& b, int64_t first, int64_t rows, int64_t width, DType dtype) {
+        void* p = rows == 0 ? b.data()
+                            : static_cast<uint8_t*>(b.data()) + first * width * dtype_bytes(dtype);
+        return TensorView::contiguous(p, dtype, {rows, width}, device);
+      };
+      for (int r = 0; r < ep_size; ++r) {
+        const int64_t first = std::min(n, r * chunk);
+        const int64_t rows = std::min(n, first + chunk) - first;
+        L.moe[static_cast<size_t>(r)]->forward(
+            rows_of(io.x, first, rows, H, DType::kBF16), rows_of(io.idx, first, rows, K, DType::kI32),
+            rows_of(io.w, first, rows, K, DType::kF32), rows_of(io.y, first, rows, H, DType::kBF16),
+            ep_streams.at(r));
+      }
+      // Waits for every rank's stream; throws the device-side errors (a timeout, an expert id),
+      // if any. Then y is complete and the copy needs no stream order.
+      for (int r = 0; r < ep_size; ++r) L.moe[static_cast<size_t>(r)]->check_errors(ep_streams.at(r));
+      copy_bytes(yb.data(), Device::cpu(), io.y.data(), device, xb);
+    }
   }
   for (size_t i = 0; i < z.size(); ++i) z[i] = bf16_to_f32(yb[i]);
   dense::rms_norm(z.data(), n, H, L.routed_norm.data(), cfg.rms_norm_eps, z.data());
@@ -354,6 +428,7 @@ KimiMiniModel::~KimiMiniModel() = default;
 const ModelConfig& KimiMiniModel::config() const { return impl_->cfg; }
 const Tokenizer& KimiMiniModel::tokenizer() const { return impl_->tokenizer; }
 const std::string& KimiMiniModel::moe_backend() const { return impl_->backend; }
+int KimiMiniModel::ep_size() const { return impl_->ep_size; }
 const std::string& KimiMiniModel::path() const { return impl_->path; }
 const ExpertUsage& KimiMiniModel::expert_usage() const { return impl_->usage; }
 void KimiMiniModel::reset_expert_usage() {
@@ -396,6 +471,44 @@ KimiMiniModel KimiMiniModel::load(const std::string& path, const ModelOptions& o
                 ": tokenizer has ", impl->tokenizer.size(), " entries, vocab_size is ",
                 c.vocab_size);
 
+  // ---- the routed experts' layer configuration, and with ep_size > 1 the EP group (before the
+  // checkpoint is read: a bad ep_size or backend fails at once) ----
+  impl->capacity = options.max_batch_tokens > 0 ? options.max_batch_tokens : kDefaultCapacityTokens;
+  const int ep_size = options.ep_size;
+  MEGAMOE_CHECK_ARG(ep_size >= 1, "model: ep_size must be >= 1, got ", ep_size);
+  LayerConfig lc;
+  lc.shape.hidden = c.latent_dim;
+  lc.shape.intermediate = c.expert_intermediate;
+  lc.shape.num_experts = c.num_experts;
+  lc.shape.top_k = c.top_k;
+  lc.activation = Activation::situ(static_cast<float>(c.situ_beta),
+                                   static_cast<float>(c.situ_linear_beta));
+  lc.fast_math = options.fast_math;
+  lc.ep_size = ep_size;
+  // A call's tokens are split over the ranks, ceil(n / R) each at most.
+  lc.max_tokens_per_rank = (impl->capacity + ep_size - 1) / ep_size;
+  lc.validate();  // names an ep_size that does not divide num_experts
+  std::vector<std::shared_ptr<EpGroup>> ep_groups;
+  if (ep_size > 1) {
+    const std::string chosen =
+        options.backend == "auto" ? available_backends().front() : options.backend;
+    MEGAMOE_CHECK_ARG(chosen == "sm90" || chosen == "cpu", "model: unknown backend '",
+                      options.backend, "' (expected auto, sm90 or cpu)");
+    MEGAMOE_CHECK(chosen == "sm90", ErrorCode::kUnsupported, "model: ep_size ", ep_size,
+                  " runs each MoE layer on ", ep_size, " virtual ranks of one GPU, which needs "
+                  "the sm90 backend; the backend here is '", chosen, "'",
+                  options.backend == "auto" ? " (the best available)" : "");
+    // One group for all layers: they have one configuration, and their calls run in one order
+    // on every rank's stream, as layers sharing a group must.
+    EpOptions eo;
+    // A call has at most `capacity` tokens over all ranks, and each token sends one rank at most
+    // min(K, E/R) rows: the exact bound (the default counts R * ceil(capacity / R) tokens).
+    eo.max_recv_rows = impl->capacity * std::min<int64_t>(c.top_k, c.num_experts / ep_size);
+    ep_groups = EpGroup::create_virtual(ep_size, lc, eo);
+    impl->ep_streams.create(ep_size);
+  }
+  impl->ep_size = ep_size;
+
   // ---- checkpoint: a single file or an index with shards ----
   const fs::path index = fs::path(path) / kSafetensorsIndexName;
   const fs::path single = fs::path(path) / kSingleFileCheckpoint;
@@ -413,18 +526,6 @@ KimiMiniModel KimiMiniModel::load(const std::string& path, const ModelOptions& o
   const std::vector<MoeLayerInfo> moe_layers = find_moe_layers(ck);
   MEGAMOE_CHECK(static_cast<int64_t>(moe_layers.size()) == c.n_layers, ErrorCode::kFormat,
                 ck.path(), ": expected ", c.n_layers, " MoE layers, found ", moe_layers.size());
-
-  impl->capacity = options.max_batch_tokens > 0 ? options.max_batch_tokens : kDefaultCapacityTokens;
-  LayerConfig lc;
-  lc.shape.hidden = H;
-  lc.shape.intermediate = c.expert_intermediate;
-  lc.shape.num_experts = E;
-  lc.shape.top_k = c.top_k;
-  lc.activation = Activation::situ(static_cast<float>(c.situ_beta),
-                                   static_cast<float>(c.situ_linear_beta));
-  lc.fast_math = options.fast_math;
-  lc.max_tokens_per_rank = impl->capacity;
-  lc.validate();
 
   impl->layers.resize(static_cast<size_t>(c.n_layers));
   for (int64_t l = 0; l < c.n_layers; ++l) {
@@ -458,12 +559,20 @@ KimiMiniModel KimiMiniModel::load(const std::string& path, const ModelOptions& o
                   " H=", info.hidden, " I=", info.intermediate, (info.has_bias ? " with" : " without"),
                   " bias; config expects kimi-k3 E=", E, " H=", H, " I=", c.expert_intermediate,
                   " without bias");
-    MoeWeights w = load_moe_layer(ck, info, /*ep_rank=*/0, /*ep_size=*/1);
-    if (options.weights_hook) options.weights_hook(l, w);
-    L.moe = std::make_unique<MoeLayer>(lc, std::move(w), options.backend);
+    for (int r = 0; r < ep_size; ++r) {
+      LayerConfig rank_config = lc;
+      rank_config.ep_rank = r;
+      MoeWeights w = load_moe_layer(ck, info, r, ep_size);
+      if (options.weights_hook) options.weights_hook(l, w);
+      L.moe.push_back(ep_size == 1
+                          ? std::make_unique<MoeLayer>(rank_config, std::move(w), options.backend)
+                          : std::make_unique<MoeLayer>(rank_config, std::move(w),
+                                                       ep_groups[static_cast<size_t>(r)],
+                                                       options.backend));
+    }
   }
-  impl->backend = impl->layers.front().moe->backend();
-  impl->device = impl->layers.front().moe->device();
+  impl->backend = impl->layers.front().moe.front()->backend();
+  impl->device = impl->layers.front().moe.front()->device();
   impl->rope = std::make_unique<dense::RopeTable>(c.head_dim(), kRopePositions, c.rope_theta);
   impl->usage.num_layers = c.n_layers;
   impl->usage.num_experts = E;

@@ -15,7 +15,8 @@
 // norms, router, latent projections, shared expert, LM head) are BF16 in the checkpoint and
 // computed in FP32 on the host with megamoe's thread pool; the routed experts run in MoeLayer on
 // its backend ("cpu" = the contract reference, "sm90" = the Hopper kernels, inputs copied to the
-// device and outputs back per layer call).
+// device and outputs back per layer call), or, with ModelOptions::ep_size = R, in R MoeLayers per
+// layer, virtual ranks of one EP group on the GPU.
 #pragma once
 
 #include <cstdint>
@@ -74,8 +75,14 @@ struct ModelOptions {
   std::string backend = "auto";  // MoeLayer backend: "auto", "cpu", "sm90"
   bool fast_math = false;        // numerics.md section 4; exact by default (as trained)
   int64_t max_batch_tokens = 0;  // MoE capacity per call; 0 = max_seq_len * 256
+  // Expert parallelism on one GPU: every MoE layer's experts spread over ep_size virtual ranks
+  // (megamoe/ep.hpp; needs the sm90 backend, ep_size must divide num_experts). Each MoE call
+  // splits its tokens into ep_size contiguous chunks, rank r taking chunk r (possibly empty) on
+  // its own stream; the outputs are those of ep_size = 1.
+  int ep_size = 1;
   // Called with (layer index, canonical weights) after loading and before the layer takes
-  // them: lets a test corrupt weights in memory (the gate's sensitivity check).
+  // them: lets a test corrupt weights in memory (the gate's sensitivity check). With
+  // ep_size > 1 once per rank, with that rank's experts (first_expert says which).
   std::function<void(int64_t, MoeWeights&)> weights_hook;
 };
 
@@ -100,6 +107,7 @@ class KimiMiniModel {
   const ModelConfig& config() const;
   const Tokenizer& tokenizer() const;
   const std::string& moe_backend() const;  // the backend the MoE layers run on
+  int ep_size() const;                     // virtual EP ranks per MoE layer (1: none)
   const std::string& path() const;
 
   // Greedy decoding of every prompt in one batch with a KV cache: one prefill call over all
