@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One device call with the expert-parallel checks (issue "Expert parallelism across GPUs"): the
+# GPU tests of EP and of the example model at EP 1/2/8, `megamoe run --ep-size` and
+# `megamoe model --ep-size` on virtual ranks, the Python EP tests (the extension is built there in
+# the background) and megamoe_ep_bench. Writes $OUT/log.txt, $OUT/ep_bench.jsonl and $OUT/*.log.
+#
+#   STEPS="tests cli model python bench" bench/ep_gpu_check.sh BIN_DIR
+#
+# BIN_DIR holds megamoe, megamoe_gpu_tests, megamoe_tests and megamoe_ep_bench built on the
+# development machine from this tree (their compiled-in source path is linked to this tree).
+# Needs carry [".carry/deps", BIN_DIR]. NCCL: the libnccl of torch's nvidia-nccl wheel goes first
+# on the library path (the system's is older than the toolkit's headers; docs/design.md).
+set -uo pipefail
+BIN=$(cd "${1:?usage: ep_gpu_check.sh BIN_DIR}" && pwd)
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+STEPS=${STEPS:-tests cli model python bench}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+export NCCL_NVLS_ENABLE=0
+NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+[ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+t0=$(date +%s)
+say() { echo "== +$(( $(date +%s) - t0 ))s $*" | tee -a "$LOG"; }
+[ -e "${SRC_BUILT_AT:-/work/main}" ] || { mkdir -p "$(dirname "${SRC_BUILT_AT:-/work/main}")"; ln -s "$ROOT" "${SRC_BUILT_AT:-/work/main}"; }
+say "nccl lib: ${NCCL_LIB:-none}"
+
+if has python; then
+  (cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
+     -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" &&
+   ninja -C /tmp/build-py -j10) >"$OUT/python_build.log" 2>&1 &
+  pybuild=$!
+fi
+if has tests; then
+  say "gpu tests Ep* ModelGpu*"
+  timeout 300 "$BIN/megamoe_gpu_tests" --gtest_filter='Ep*:ModelGpu*' >"$OUT/gpu_tests.log" 2>&1
+  echo "exit $?" >>"$OUT/gpu_tests.log"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED)|FAILED|INFO|^exit|Failure" "$OUT/gpu_tests.log" | head -40 >>"$LOG"
+  timeout 120 "$BIN/megamoe_tests" --gtest_filter='Cli.Ep*' >"$OUT/cli_tests.log" 2>&1
+  echo "exit $?" >>"$OUT/cli_tests.log"
+  grep -E "^\[  (PASSED|FAILED)|Failure|^exit" "$OUT/cli_tests.log" >>"$LOG"
+fi
+if has cli; then
+  say "megamoe run --ep-size"
+  for args in "--ep-size 4 --tokens 64" "--ep-size 2 --tokens 0" "--shape deepseek-v3 --tokens 64 --ep-size 8" \
+              "--shape kimi-k3 --tokens 8 --ep-size 8" "--ep-size 4 --tokens 64 --ep-max-recv-rows 1"; do
+    echo "--- megamoe run $args" >>"$LOG"
+    timeout 200 "$BIN/megamoe" run $args >>"$LOG" 2>&1; echo "exit $?" >>"$LOG"
+  done
+fi
+if has model; then
+  say "megamoe model --ep-size"
+  for r in 2 8; do
+    timeout 200 "$BIN/megamoe" model --ep-size $r 2>&1 | tail -4 >>"$LOG"; echo "exit $?" >>"$LOG"
+  done
+fi
+if has python; then
+  say "python EP tests"
+  wait "$pybuild"; echo "python build exit $?" >>"$LOG"; tail -2 "$OUT/python_build.log" >>"$LOG"
+  PYTHONPATH=/tmp/build-py/python MEGAMOE_CLI="$BIN/megamoe" timeout 240 python3 -m pytest -q -rs -p no:cacheprovider \
+    tests/python/test_ep.py tests/python/test_ep_gpu.py tests/python/test_errors.py >"$OUT/python.log" 2>&1
+  echo "exit $?" >>"$OUT/python.log"
+  grep -E "passed|failed|SKIPPED|Error|^exit" "$OUT/python.log" | tail -20 >>"$LOG"
+fi
+if has bench; then
+  say "megamoe_ep_bench"
+  timeout 300 "$BIN/megamoe_ep_bench" >"$OUT/ep_bench.jsonl" 2>&1; echo "exit $?" >>"$LOG"
+fi
+say "done"
