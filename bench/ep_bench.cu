@@ -175,14 +175,18 @@ void exchange(const std::string& shape, int ranks, int64_t t, double copy_tbs) {
       RankExchange& b = rx[r];
       const ep::EpParams p = groups[r]->impl().params(t, t, e);
       if (r > 0) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(*b.stream, ev[ranks]));
-      ep::launch_send(p, b.x_q.get(), b.x_sf.get(), b.idx.get(), b.w.get(), b.slot_map.get(),
-                      b.error.get(), nullptr, *b.stream, true);
-      ep::launch_dispatch(p, b.row_offsets.get(), b.row_slot.get(), b.row_weights.get(),
+      ep::SendInputs send;
+      send.x_q = b.x_q.get();
+      send.x_sf = b.x_sf.get();
+      send.topk_idx = b.idx.get();
+      send.topk_weights = b.w.get();
+      send.slot_map = b.slot_map.get();
+      send.error = b.error.get();
+      if (!ep::fused_send(p)) ep::launch_send(p, send, *b.stream, true);
+      ep::launch_dispatch(p, send, b.row_offsets.get(), b.row_slot.get(), b.row_weights.get(),
                           *b.stream, true);
-      if (with_return) {
+      if (with_return)
         ep::launch_return(p, b.out.get(), b.row_offsets.get(), b.row_slot.get(), *b.stream, true);
-        ep::launch_wait_return(p, *b.stream, true);
-      }
       MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[r], *b.stream));
     }
     for (int r = 1; r < ranks; ++r) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(origin, ev[r]));

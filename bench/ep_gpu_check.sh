@@ -16,7 +16,7 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
-STEPS=${STEPS:-tests cli model python bench}
+STEPS=${STEPS:-tests cli model python ncclpy bench}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 export NCCL_NVLS_ENABLE=0
 NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
@@ -25,8 +25,11 @@ t0=$(date +%s)
 say() { echo "== +$(( $(date +%s) - t0 ))s $*" | tee -a "$LOG"; }
 [ -e "${SRC_BUILT_AT:-/work/main}" ] || { mkdir -p "$(dirname "${SRC_BUILT_AT:-/work/main}")"; ln -s "$ROOT" "${SRC_BUILT_AT:-/work/main}"; }
 say "nccl lib: ${NCCL_LIB:-none}"
+# megamoe_tests' CLI cases look for the program where it was built.
+BUILT=$(strings "$BIN/megamoe_tests" 2>/dev/null | grep -m1 -o '/[^ ]*/megamoe$' || true)
+[ -n "$BUILT" ] && [ ! -e "$BUILT" ] && mkdir -p "$(dirname "$BUILT")" && ln -s "$BIN/megamoe" "$BUILT"
 
-if has python; then
+if has python || has ncclpy; then
   (cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
      -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" &&
    ninja -C /tmp/build-py -j10) >"$OUT/python_build.log" 2>&1 &
@@ -62,6 +65,17 @@ if has python; then
     tests/python/test_ep.py tests/python/test_ep_gpu.py tests/python/test_errors.py >"$OUT/python.log" 2>&1
   echo "exit $?" >>"$OUT/python.log"
   grep -E "passed|failed|SKIPPED|Error|^exit" "$OUT/python.log" | tail -20 >>"$LOG"
+fi
+if has ncclpy; then
+  say "NCCL group from Python, with and without torch imported first"
+  [ -n "${pybuild:-}" ] && wait "$pybuild"
+  for first in "" "import torch; torch.zeros(1, device='cuda'); "; do
+    NCCL_DEBUG=WARN PYTHONPATH=/tmp/build-py/python timeout 60 python3 -c "${first}import megamoe, megamoe.ep
+c = megamoe.LayerConfig('small'); c.max_tokens_per_rank = 16
+g = megamoe.ep.nccl_group(c, megamoe.ep.nccl_unique_id(), 1, 0)
+print('ok', g.transport)" >>"$LOG" 2>&1; echo "exit $? (${first:-no torch})" >>"$LOG"
+  done
+  env | grep -E "^NCCL|^TORCH" >>"$LOG"
 fi
 if has bench; then
   say "megamoe_ep_bench"

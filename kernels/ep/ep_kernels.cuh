@@ -2,18 +2,20 @@
 // parallelism"); the window layout and parameter block are in ep/ep_protocol.hpp.
 //
 //   ep_send         every source token to the ranks owning its experts; publishes dispatch_sig
+//                   (small calls: done by ep_dispatch's CTA itself, one launch less)
 //   ep_dispatch     waits for every rank's dispatch_sig, then the per-local-expert row lists of
 //                   the received slots (the counting sort of sm90_dispatch.cuh)
 //   (gather, L1, L2 of the layer, reading the received rows)
-//   ep_return       every computed row to its source rank's combine slot; publishes return_sig
-//   ep_wait_return  waits for every rank's return_sig
+//   ep_return       every computed row to its source rank's combine slot; publishes return_sig;
+//                   its last CTA then waits for every rank's return_sig
 //   (combine of the layer, over this rank's combine slots)
 //
 // Ordering: data is written with plain stores (to a peer: over NVLink), then each CTA fences at
 // system scope and takes a ticket; the CTA that takes the last ticket fences again and publishes
-// the signal words with release stores. A waiter reads a signal with acquire loads. Only the
-// single-CTA wait kernels spin, and they let their successors launch (PDL) only after the wait,
-// so with several ranks on one GPU a waiting rank never holds more than one CTA's resources.
+// the signal words with release stores. A waiter reads a signal with acquire loads. Only one CTA
+// of a kernel ever spins (ep_dispatch's, ep_return's last), and it lets the successor launch
+// (PDL) only after its wait, so with several ranks on one GPU a waiting rank never holds more
+// than one CTA's resources and the rank it waits for can always run.
 #pragma once
 
 #include <cstdint>
@@ -97,35 +99,39 @@ __device__ inline bool last_cta(uint32_t* ticket) {
 
 constexpr int kSendThreads = 256;
 constexpr int kSendWarps = kSendThreads / 32;
+// Calls with at most this many tokens send from ep_dispatch's own CTA (one launch less; a single
+// CTA moves this little in less time than a launch takes).
+constexpr int kFusedSendMaxTokens = 32;
 
-// One warp per source token (grid-stride). Reads x_q/x_sf (this call's quantized input) and the
-// caller's topk_idx/topk_weights; writes slot_map[t*K + k] (t*K + k for a valid slot, else -1:
-// the combine's row map), invalid ids into `error` (as the one-GPU dispatch does), and for
-// every rank d: the token's ids and weights into d's recv_idx/recv_w (so d never sees a stale
-// id), the token's row and scales into d's recv_xq/recv_sf when d owns one of its experts.
-__global__ void __launch_bounds__(kSendThreads)
-ep_send_kernel(const EpParams p, const uint8_t* __restrict__ x_q, const uint8_t* __restrict__ x_sf,
-               const int32_t* __restrict__ topk_idx, const float* __restrict__ topk_weights,
-               int32_t* __restrict__ slot_map, sm90::DispatchParams errors) {
-  ptx::grid_dependency_wait();  // PDL: the quantized input is complete
-  ptx::launch_dependents();     // the successor (ep_dispatch) is one CTA
+// What the send reads (this call's quantized input and the caller's top-k) and writes locally.
+struct SendArgs {
+  const uint8_t* x_q;
+  const uint8_t* x_sf;
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  int32_t* slot_map;              // [T*K]: t*K + k for a valid slot, else -1 (the combine's map)
+  sm90::DispatchParams errors;    // invalid ids are recorded as the one-GPU dispatch does
+};
+
+// Tokens warp, warp + num_warps, ... of this rank: for every rank d, the token's ids and weights
+// into d's recv_idx/recv_w (so d never reads a stale id); the token's row and scales into d's
+// recv_xq/recv_sf when d owns one of its experts (once per rank, not per expert).
+__device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t warp,
+                                   int64_t num_warps) {
   const WindowLayout& L = p.layout;
   const int lane = threadIdx.x % 32;
   const int64_t K = L.top_k, H = L.hidden, sf_row = H / 32;
   const int64_t src_token0 = static_cast<int64_t>(p.rank) * L.t_max;  // our rows in peers' recv
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kSendWarps + threadIdx.x / 32;
-       t < p.num_tokens; t += static_cast<int64_t>(gridDim.x) * kSendWarps) {
+  for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
     uint64_t mask = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
       const int64_t k = k0 + lane;
-      int32_t id = -1;
-      float w = 0.0f;
       if (k < K) {
         const int64_t slot = t * K + k;
-        id = sm90::dispatch_local_expert<true>(errors, __ldg(topk_idx + slot), slot);
-        // dispatch_local_expert maps to [0, num_local) of `errors` (all experts): a global id.
-        w = __ldg(topk_weights + slot);
-        slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
+        // With errors.num_local = E, dispatch_local_expert returns the global id (or -1).
+        const int32_t id = sm90::dispatch_local_expert<true>(a.errors, __ldg(a.topk_idx + slot), slot);
+        const float w = __ldg(a.topk_weights + slot);
+        a.slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
         if (id >= 0) mask |= 1ull << (id / p.num_local);
         const int64_t at = (src_token0 + t) * K + k;
         for (int d = 0; d < p.size; ++d) {
@@ -137,8 +143,8 @@ ep_send_kernel(const EpParams p, const uint8_t* __restrict__ x_q, const uint8_t*
     const uint32_t lo = __reduce_or_sync(0xFFFFFFFFu, static_cast<uint32_t>(mask));
     const uint32_t hi = __reduce_or_sync(0xFFFFFFFFu, static_cast<uint32_t>(mask >> 32));
     mask = (static_cast<uint64_t>(hi) << 32) | lo;
-    const uint4* row = reinterpret_cast<const uint4*>(x_q + t * H);
-    const uint8_t* sf = x_sf + t * sf_row;
+    const uint4* row = reinterpret_cast<const uint4*>(a.x_q + t * H);
+    const uint8_t* sf = a.x_sf + t * sf_row;
     while (mask != 0) {
       const int d = __ffsll(static_cast<long long>(mask)) - 1;
       mask &= mask - 1;
@@ -149,15 +155,31 @@ ep_send_kernel(const EpParams p, const uint8_t* __restrict__ x_q, const uint8_t*
       for (int64_t c = lane; c < sf_row; c += 32) dst_sf[c] = __ldg(sf + c);
     }
   }
+}
+
+// One thread, after every send of this call is ordered before it: the call number advances and
+// every rank's dispatch_sig[rank] gets (call, T) (or the capacity error with the T called).
+__device__ inline void publish_dispatch(const EpParams& p) {
   EpLocal* me = local_state(p);
-  if (!last_cta(&me->send_ticket) || threadIdx.x != 0) return;
   const uint64_t call = me->call + 1;
-  const uint32_t payload = p.called_tokens > L.t_max
-                               ? kPayloadError | (static_cast<uint32_t>(p.called_tokens) & kPayloadMask)
-                               : static_cast<uint32_t>(p.num_tokens);
+  const uint32_t payload =
+      p.called_tokens != p.num_tokens
+          ? kPayloadError | (static_cast<uint32_t>(p.called_tokens) & kPayloadMask)
+          : static_cast<uint32_t>(p.num_tokens);
   for (int d = 0; d < p.size; ++d)
-    st_release_sys(region<uint64_t>(p.peers[d], L.dispatch_sig) + p.rank, (call << 32) | payload);
+    st_release_sys(region<uint64_t>(p.peers[d], p.layout.dispatch_sig) + p.rank,
+                   (call << 32) | payload);
   me->call = call;
+}
+
+// One warp per token (grid-stride), then the last CTA publishes.
+__global__ void __launch_bounds__(kSendThreads)
+ep_send_kernel(const EpParams p, const SendArgs a) {
+  ptx::grid_dependency_wait();  // PDL: the quantized input is complete
+  ptx::launch_dependents();     // the successor (ep_dispatch) is one CTA
+  send_tokens(p, a, static_cast<int64_t>(blockIdx.x) * kSendWarps + threadIdx.x / 32,
+              static_cast<int64_t>(gridDim.x) * kSendWarps);
+  if (last_cta(&local_state(p)->send_ticket) && threadIdx.x == 0) publish_dispatch(p);
 }
 
 // The received slots of the current call, in source-rank order: source s's tokens [0, T_s) with
@@ -188,15 +210,27 @@ struct ReceivedSlots {
 
 // One CTA of kDispatchMaxWarps warps; dynamic shared memory as sm90_dispatch_topk_kernel. `d`
 // carries the row-list outputs (num_slots is set here from the received counts).
+// fused_send: this CTA sends the call's tokens itself first (calls of at most
+// kFusedSendMaxTokens tokens; no ep_send launch).
 __global__ void __launch_bounds__(sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize)
-ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps) {
+ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, const SendArgs a,
+                   bool fused_send) {
   extern __shared__ int32_t hist[];
   __shared__ int32_t warp_totals[sm90::kDispatchMaxWarps];
   __shared__ int32_t tokens[kMaxRanks + 1];
   __shared__ int32_t prefix[kMaxRanks + 1];
-  ptx::grid_dependency_wait();  // this rank's ep_send has published (call number updated)
+  // PDL: this rank's ep_send has published (call number updated), or, fused, the quantized input
+  // is complete.
+  ptx::grid_dependency_wait();
   const WindowLayout& L = p.layout;
   EpLocal* me = local_state(p);
+  if (fused_send) {
+    send_tokens(p, a, threadIdx.x / 32, blockDim.x / 32);
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) publish_dispatch(p);
+    __syncthreads();
+  }
   const uint64_t call = me->call;
   if (threadIdx.x < p.size) {
     const int s = threadIdx.x;
@@ -236,12 +270,13 @@ constexpr int kReturnThreads = 256;
 constexpr int kReturnWarps = kReturnThreads / 32;
 
 // One warp per computed row (grid-stride): out[r] (bf16 [H]) to the combine slot t*K + k of the
-// row's source rank. Then the last CTA publishes return_sig on every rank.
+// row's source rank. The last CTA publishes return_sig on every rank, then waits for every
+// rank's return_sig of this call; only then may the combine launch (PDL): its CTAs must not sit
+// on the GPU while a rank it waits for still needs room to run.
 __global__ void __launch_bounds__(kReturnThreads)
 ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
                  const int32_t* __restrict__ row_offsets, const int32_t* __restrict__ row_slot) {
   ptx::grid_dependency_wait();  // PDL: L2's rows are complete
-  ptx::launch_dependents();     // the successor (ep_wait_return) is one CTA
   const WindowLayout& L = p.layout;
   const int lane = threadIdx.x % 32;
   const int64_t K = L.top_k, H = L.hidden;
@@ -257,19 +292,13 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
     for (int64_t c = lane; c < H / 8; c += 32) dst[c] = __ldg(src + c);
   }
   EpLocal* me = local_state(p);
-  if (!last_cta(&me->return_ticket) || threadIdx.x != 0) return;
+  if (!last_cta(&me->return_ticket)) return;
   const uint64_t call = me->call;
-  const uint64_t word = (call << 32) | me->recv_rows;
-  for (int d = 0; d < p.size; ++d)
-    st_release_sys(region<uint64_t>(p.peers[d], L.return_sig) + p.rank, word);
-}
-
-// One CTA: waits for every rank's return_sig of the current call, then lets the combine launch.
-__global__ void __launch_bounds__(kMaxRanks)
-ep_wait_return_kernel(const EpParams p) {
-  ptx::grid_dependency_wait();
-  const WindowLayout& L = p.layout;
-  const uint64_t call = local_state(p)->call;
+  if (threadIdx.x == 0) {
+    const uint64_t word = (call << 32) | me->recv_rows;
+    for (int d = 0; d < p.size; ++d)
+      st_release_sys(region<uint64_t>(p.peers[d], L.return_sig) + p.rank, word);
+  }
   if (threadIdx.x < p.size) {
     const int d = threadIdx.x;
     const uint32_t payload = wait_signal(p, region<uint64_t>(p.peers[p.rank], L.return_sig) + d,

@@ -26,20 +26,30 @@ int grid_for_warps(int64_t warps, int warps_per_cta) {
 
 }  // namespace
 
-void launch_send(const EpParams& p, const uint8_t* x_q, const uint8_t* x_sf,
-                 const int32_t* topk_idx, const float* topk_weights, int32_t* slot_map,
-                 sm90::DispatchError* error, int32_t* error_flag, cudaStream_t stream,
-                 bool programmatic) {
+namespace {
+SendArgs send_args(const EpParams& p, const SendInputs& in) {
+  SendArgs a{};
+  a.x_q = in.x_q;
+  a.x_sf = in.x_sf;
+  a.topk_idx = in.topk_idx;
+  a.topk_weights = in.topk_weights;
+  a.slot_map = in.slot_map;
+  a.errors.num_experts = p.num_experts;
+  a.errors.first_local = 0;
+  a.errors.num_local = p.num_experts;  // dispatch_local_expert then returns the global id
+  a.errors.error = in.error;
+  a.errors.error_flag = in.error_flag;
+  return a;
+}
+}  // namespace
+
+bool fused_send(const EpParams& p) { return p.num_tokens <= kFusedSendMaxTokens; }
+
+void launch_send(const EpParams& p, const SendInputs& in, cudaStream_t stream, bool programmatic) {
   MEGAMOE_CHECK_ARG(p.layout.hidden % 32 == 0, "ep send: expected H a multiple of 32, got ",
                     p.layout.hidden);
-  sm90::DispatchParams errors{};
-  errors.num_experts = p.num_experts;
-  errors.first_local = 0;
-  errors.num_local = p.num_experts;  // dispatch_local_expert then returns the global id
-  errors.error = error;
-  errors.error_flag = error_flag;
   cuda::launch(ep_send_kernel, grid_for_warps(p.num_tokens, kSendWarps), kSendThreads, 0, stream,
-               programmatic, p, x_q, x_sf, topk_idx, topk_weights, slot_map, errors);
+               programmatic, p, send_args(p, in));
 }
 
 void configure_dispatch(int64_t num_local) {
@@ -56,8 +66,9 @@ void configure_dispatch(int64_t num_local) {
   configured[device] = smem;
 }
 
-void launch_dispatch(const EpParams& p, int32_t* row_offsets, int32_t* row_slot,
-                     float* row_weights, cudaStream_t stream, bool programmatic) {
+void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offsets,
+                     int32_t* row_slot, float* row_weights, cudaStream_t stream,
+                     bool programmatic) {
   sm90::DispatchParams d{};
   d.num_experts = p.num_experts;
   d.first_local = p.rank * p.num_local;
@@ -76,7 +87,7 @@ void launch_dispatch(const EpParams& p, int32_t* row_offsets, int32_t* row_slot,
   const size_t smem = static_cast<size_t>(num_warps) * p.num_local * sizeof(int32_t);
   configure_dispatch(p.num_local);
   cuda::launch(ep_dispatch_kernel, 1, sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize, smem,
-               stream, programmatic, p, d, num_warps);
+               stream, programmatic, p, d, num_warps, send_args(p, in), fused_send(p));
 }
 
 void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,
@@ -91,11 +102,6 @@ void load_kernels() {
   MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_send_kernel));
   MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_dispatch_kernel));
   MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_return_kernel));
-  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_wait_return_kernel));
-}
-
-void launch_wait_return(const EpParams& p, cudaStream_t stream, bool programmatic) {
-  cuda::launch(ep_wait_return_kernel, 1, kMaxRanks, 0, stream, programmatic, p);
 }
 
 }  // namespace megamoe::ep

@@ -13,25 +13,39 @@
 
 namespace megamoe::ep {
 
-// errors: the layer's invalid-id record (error, error_flag) and E; the other fields are unused.
-void launch_send(const EpParams& p, const uint8_t* x_q, const uint8_t* x_sf,
-                 const int32_t* topk_idx, const float* topk_weights, int32_t* slot_map,
-                 sm90::DispatchError* error, int32_t* error_flag, cudaStream_t stream,
-                 bool programmatic);
+// The send's inputs: x_q/x_sf this call's quantized tokens, topk_idx/topk_weights the caller's,
+// slot_map [T*K] the combine's row map (written), error/error_flag the layer's invalid-id record.
+struct SendInputs {
+  const uint8_t* x_q = nullptr;
+  const uint8_t* x_sf = nullptr;
+  const int32_t* topk_idx = nullptr;
+  const float* topk_weights = nullptr;
+  int32_t* slot_map = nullptr;
+  sm90::DispatchError* error = nullptr;
+  int32_t* error_flag = nullptr;
+};
 
-// rows: row_offsets [E_l + 1], row_slot / row_weights [p.max_rows] (sm90_dispatch.cuh).
-void launch_dispatch(const EpParams& p, int32_t* row_offsets, int32_t* row_slot,
-                     float* row_weights, cudaStream_t stream, bool programmatic);
+// Whether a call of this rank sends from the dispatch kernel (no launch_send).
+bool fused_send(const EpParams& p);
+
+// Sends this rank's tokens (not for fused calls; see fused_send).
+void launch_send(const EpParams& p, const SendInputs& in, cudaStream_t stream, bool programmatic);
+
+// Waits for every rank's tokens and builds the row lists: row_offsets [E_l + 1], row_slot /
+// row_weights [p.max_rows] (sm90_dispatch.cuh). `in` is what a fused call sends first.
+void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offsets,
+                     int32_t* row_slot, float* row_weights, cudaStream_t stream,
+                     bool programmatic);
 // Raises the dispatch kernel's shared-memory limit for num_local experts (host call, made at
 // layer construction so that forward() makes none).
 void configure_dispatch(int64_t num_local);
 
+// Returns the computed rows to their sources and waits for every rank's.
 void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,
                    const int32_t* row_slot, cudaStream_t stream, bool programmatic);
+
 // Loads the EP kernels into the current context (see sm90::load_gemm_kernels).
 void load_kernels();
-
-void launch_wait_return(const EpParams& p, cudaStream_t stream, bool programmatic);
 
 }  // namespace megamoe::ep
 #endif

@@ -335,11 +335,11 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
 // One rank's layer call under expert parallelism (docs/design.md, "Expert parallelism"):
 //
 //   quantize        x -> x_q, x_sf                         (this rank's tokens)
-//   ep send         rows to the owners' recv_xq/recv_sf, ids and weights to every rank
+//   ep send         rows to the owners' recv_xq/recv_sf, ids and weights to every rank (calls
+//                   of up to kFusedSendMaxTokens tokens: done inside ep dispatch)
 //   ep dispatch     wait for every rank's tokens; row lists of the received slots
 //   gather, L1, L2  on the received rows (the one-GPU kernels)
-//   ep return       each row to its source's combine slot t*K + k
-//   ep wait return  wait for every rank's rows
+//   ep return       each row to its source's combine slot t*K + k; wait for every rank's rows
 //   combine         y from this rank's combine slots, ascending k (the one-GPU kernel)
 void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                            int64_t num_tokens, uint16_t* y, cudaStream_t stream) {
@@ -359,9 +359,16 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   const bool pdl = programmatic_;
 
   if (t > 0) launch_quantize_input(x, t, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
-  ep::launch_send(p, view_.x_q, view_.x_sf, topk_idx, topk_weights, view_.slot_to_row, view_.error,
-                  error_flag_dev_, stream, pdl);
-  ep::launch_dispatch(p, view_.row_offsets, view_.row_slot, view_.row_weights, stream, pdl);
+  ep::SendInputs send;
+  send.x_q = view_.x_q;
+  send.x_sf = view_.x_sf;
+  send.topk_idx = topk_idx;
+  send.topk_weights = topk_weights;
+  send.slot_map = view_.slot_to_row;
+  send.error = view_.error;
+  send.error_flag = error_flag_dev_;
+  if (!ep::fused_send(p)) ep::launch_send(p, send, stream, pdl);
+  ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights, stream, pdl);
   launch_gather(window + w.recv_xq, window + w.recv_sf, view_.row_offsets, view_.row_slot,
                 num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl);
 
@@ -418,7 +425,6 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   launch_l2(l2, stream);
 
   ep::launch_return(p, view_.out, view_.row_offsets, view_.row_slot, stream, pdl);
-  ep::launch_wait_return(p, stream, pdl);
   if (t > 0)
     launch_combine(reinterpret_cast<const uint16_t*>(window + w.combine), view_.slot_to_row, t,
                    s.top_k, s.hidden, y, stream, pdl);
