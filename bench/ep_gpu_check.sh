@@ -9,7 +9,8 @@
 # BIN_DIR holds megamoe, megamoe_gpu_tests, megamoe_tests and megamoe_ep_bench built on the
 # development machine from this tree (their compiled-in source path is linked to this tree).
 # Needs carry [".carry/deps", BIN_DIR]. NCCL: the libnccl of torch's nvidia-nccl wheel goes first
-# on the library path (the system's is older than the toolkit's headers; docs/design.md).
+# on the library path, and the extension built there takes the matching headers from
+# .carry/deps/nccl/include (bench/prepare_carry.sh; the machine's own are older: docs/design.md).
 set -uo pipefail
 BIN=$(cd "${1:?usage: ep_gpu_check.sh BIN_DIR}" && pwd)
 ROOT=$PWD
@@ -25,13 +26,14 @@ t0=$(date +%s)
 say() { echo "== +$(( $(date +%s) - t0 ))s $*" | tee -a "$LOG"; }
 [ -e "${SRC_BUILT_AT:-/work/main}" ] || { mkdir -p "$(dirname "${SRC_BUILT_AT:-/work/main}")"; ln -s "$ROOT" "${SRC_BUILT_AT:-/work/main}"; }
 say "nccl lib: ${NCCL_LIB:-none}"
-# megamoe_tests' CLI cases look for the program where it was built.
-BUILT=$(strings "$BIN/megamoe_tests" 2>/dev/null | grep -m1 -o '/[^ ]*/megamoe$' || true)
-[ -n "$BUILT" ] && [ ! -e "$BUILT" ] && mkdir -p "$(dirname "$BUILT")" && ln -s "$BIN/megamoe" "$BUILT"
+# megamoe_tests' CLI cases look for the program in the folder it was built in (BUILT_DIR).
+BUILT_DIR=${BUILT_DIR:-/work/main/build-new}
+[ -e "$BUILT_DIR/megamoe" ] || { mkdir -p "$BUILT_DIR" && ln -s "$BIN/megamoe" "$BUILT_DIR/megamoe"; }
 
 if has python || has ncclpy; then
   (cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
-     -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" &&
+     -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" \
+     -DMEGAMOE_NCCL_INCLUDE_DIR="$ROOT/.carry/deps/nccl/include" &&
    ninja -C /tmp/build-py -j10) >"$OUT/python_build.log" 2>&1 &
   pybuild=$!
 fi

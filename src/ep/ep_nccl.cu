@@ -9,9 +9,9 @@
 //                   window that is not ready); the same barrier before the window is released
 //
 // libnccl is loaded at run time (dlopen "libnccl.so.2"), so megamoe's binaries run without it
-// and only an NCCL group needs it. The device API must come from a library at least as new as
-// the headers megamoe was compiled with (NCCL_VERSION_CODE); an older one is refused by name
-// (docs/design.md: the GPU machine's system libnccl is older than the toolkit's headers).
+// and only an NCCL group needs it. The device API must come from the library version of the
+// headers megamoe was compiled with (NCCL_VERSION_CODE); another one is refused by name
+// (docs/design.md: the GPU machine's system libnccl and headers differ from torch's).
 #include <dlfcn.h>
 
 #include <cstdlib>
@@ -92,12 +92,16 @@ const NcclApi& nccl() {
       api.error = "ncclGetVersion failed";
       return;
     }
-    if (v < NCCL_VERSION_CODE) {
+    // The device API's structures (ncclDevCommRequirements, ncclDevComm) carry no version, and
+    // they changed between patch releases: a library of another version than the headers
+    // refuses the device communicator ("invalid usage") or worse.
+    if (v != NCCL_VERSION_CODE) {
       api.error = "the loaded libnccl is version " + std::to_string(v) +
-                  ", older than the headers megamoe was built with (" +
+                  ", megamoe was compiled against the headers of " +
                   std::to_string(NCCL_VERSION_CODE) +
-                  "): its device API would refuse our device communicator; put a newer "
-                  "libnccl.so.2 first on LD_LIBRARY_PATH (e.g. the nvidia-nccl-cu13 wheel's lib)";
+                  " and NCCL's device API needs the same version: put the matching "
+                  "libnccl.so.2 first on LD_LIBRARY_PATH (e.g. the nvidia-nccl wheel's lib) or "
+                  "build megamoe with its headers (-DMEGAMOE_NCCL_INCLUDE_DIR)";
       return;
     }
     api.version = v;

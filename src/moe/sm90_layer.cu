@@ -369,12 +369,12 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   send.error_flag = error_flag_dev_;
   if (!ep::fused_send(p)) ep::launch_send(p, send, stream, pdl);
   ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights, stream, pdl);
-  launch_gather(window + w.recv_xq, window + w.recv_sf, view_.row_offsets, view_.row_slot,
-                num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl);
-
   // Expected rows: every rank sends about T*K*E_l/E slots here, T*K in all when ranks have
   // similar T; any local expert may get up to one row per token of every rank.
   const int64_t hint = std::max<int64_t>(1, t * s.top_k);
+  launch_gather(window + w.recv_xq, window + w.recv_sf, view_.row_offsets, view_.row_slot,
+                num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl, hint);
+
   const int64_t per_expert_max =
       config_.sm90.rows_hint == RowsHintMode::kGated ? std::min(max_rows_, g.size * std::max<int64_t>(t, 1)) : 0;
   const int64_t rows_hint = config_.sm90.rows_hint == RowsHintMode::kBound

@@ -110,7 +110,8 @@ void launch_dispatch(const DispatchParams& params, cudaStream_t stream, bool pro
 
 void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_offsets,
                    const int32_t* row_slot, int64_t num_local, int64_t top_k, int64_t hidden,
-                   int64_t max_rows, uint16_t* act, cudaStream_t stream, bool programmatic) {
+                   int64_t max_rows, uint16_t* act, cudaStream_t stream, bool programmatic,
+                   int64_t grid_rows) {
   MEGAMOE_CHECK_ARG(hidden > 0 && hidden % kScaleBlock == 0,
                     "gather: expected hidden a positive multiple of ", kScaleBlock, ", got ", hidden);
   MEGAMOE_CHECK_ARG(top_k > 0, "gather: expected top_k > 0, got ", top_k);
@@ -120,7 +121,9 @@ void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_o
   const int64_t work = max_rows * (hidden / kGatherVec);
   MEGAMOE_CHECK(work < (int64_t{1} << 32), ErrorCode::kUnsupported, "gather: ", max_rows,
                 " rows x ", hidden, " channels exceed the kernel's 32-bit item index");
-  cuda::launch(sm90_gather_dequant_e4m3_bf16_kernel, grid_for(work, kGatherBlockThreads),
+  const int64_t grid_work =
+      (grid_rows > 0 ? std::min(grid_rows, max_rows) : max_rows) * (hidden / kGatherVec);
+  cuda::launch(sm90_gather_dequant_e4m3_bf16_kernel, grid_for(grid_work, kGatherBlockThreads),
                kGatherBlockThreads, 0, stream, programmatic, x_q, x_sf, row_offsets, row_slot,
                static_cast<int32_t>(num_local), static_cast<uint32_t>(top_k),
                static_cast<uint32_t>(hidden), max_rows, act);

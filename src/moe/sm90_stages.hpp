@@ -39,11 +39,14 @@ void configure_dispatch_smem(size_t smem_bytes);
 
 void launch_dispatch(const DispatchParams& params, cudaStream_t stream, bool programmatic = false);
 
-// max_rows: host-known bound on routed rows (T * K).
+// max_rows: host-known bound on routed rows (T * K). grid_rows: the rows the grid is sized for
+// (0: max_rows); the kernel strides over every routed row whatever its grid, so an EP layer,
+// whose bound is its receive capacity, sizes it for the rows it expects: a grid for the whole
+// capacity would hold the SMs the next GEMM starts streaming weights on.
 void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_offsets,
                    const int32_t* row_slot, int64_t num_local, int64_t top_k, int64_t hidden,
                    int64_t max_rows, uint16_t* act, cudaStream_t stream,
-                   bool programmatic = false);
+                   bool programmatic = false, int64_t grid_rows = 0);
 
 void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num_tokens,
                     int64_t top_k, int64_t hidden, uint16_t* y, cudaStream_t stream,
