@@ -13,9 +13,10 @@
 // Ordering: data is written with plain stores (to a peer: over NVLink), then each CTA fences at
 // system scope and takes a ticket; the CTA that takes the last ticket fences again and publishes
 // the signal words with release stores. A waiter reads a signal with acquire loads. Only one CTA
-// of a kernel ever spins (ep_dispatch's, ep_return's last), and it lets the successor launch
-// (PDL) only after its wait, so with several ranks on one GPU a waiting rank never holds more
-// than one CTA's resources and the rank it waits for can always run.
+// of a kernel ever spins (ep_dispatch's, ep_return's last). With several ranks on one GPU it lets
+// the successor launch (PDL) only after its wait, so a waiting rank never holds more than one
+// CTA's resources and the rank it waits for can always run; alone on its GPU
+// (EpParams::early_launch) it lets it launch at once.
 #pragma once
 
 #include <cstdint>
@@ -222,6 +223,7 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   // PDL: this rank's ep_send has published (call number updated), or, fused, the quantized input
   // is complete.
   ptx::grid_dependency_wait();
+  if (p.early_launch) ptx::launch_dependents();
   const WindowLayout& L = p.layout;
   EpLocal* me = local_state(p);
   if (fused_send) {
@@ -252,7 +254,7 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   }
   __syncthreads();
   // The waits are over: the gather may launch now (PDL), its CTAs wait for this kernel's end.
-  ptx::launch_dependents();
+  if (!p.early_launch) ptx::launch_dependents();
   d.num_slots = static_cast<int64_t>(prefix[p.size]) * L.top_k;
   const ReceivedSlots slots{region<int32_t>(p.peers[p.rank], L.recv_idx),
                             region<float>(p.peers[p.rank], L.recv_w), prefix, p.size, L.t_max,
@@ -277,6 +279,7 @@ __global__ void __launch_bounds__(kReturnThreads)
 ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
                  const int32_t* __restrict__ row_offsets, const int32_t* __restrict__ row_slot) {
   ptx::grid_dependency_wait();  // PDL: L2's rows are complete
+  if (p.early_launch) ptx::launch_dependents();
   const WindowLayout& L = p.layout;
   const int lane = threadIdx.x % 32;
   const int64_t K = L.top_k, H = L.hidden;
@@ -308,7 +311,7 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
       record_error(p, StatusCode::kRecvOverflow, Stage::kCombine, d, 0, 0);
   }
   __syncthreads();
-  ptx::launch_dependents();
+  if (!p.early_launch) ptx::launch_dependents();
 }
 
 }  // namespace megamoe::ep

@@ -107,6 +107,11 @@ struct EpParams {
   int32_t num_local = 0;      // E_l = E / R
   int64_t max_rows = 0;       // receive-row capacity of the layer
   uint64_t timeout_ns = 0;
+  // 1 when no other rank shares this GPU (NCCL, or a single rank): the waiting kernels then let
+  // their successors launch at once (PDL), so the GEMMs start streaming weights during the waits.
+  // With several ranks on one GPU the successors launch only after the waits (the ranks waited
+  // for must find room to run).
+  int32_t early_launch = 0;
   int32_t* error_flag = nullptr;  // mapped host word: set to 1 when an error is recorded
 };
 

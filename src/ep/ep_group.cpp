@@ -100,6 +100,7 @@ ep::EpParams EpGroupImpl::params(int64_t num_tokens, int64_t called_tokens,
   p.max_rows = max_recv_rows;
   p.timeout_ns = static_cast<uint64_t>(options.timeout_s * 1e9);
   p.error_flag = flag_dev_;
+  p.early_launch = (transport == "nccl" || size == 1) ? 1 : 0;  // no other rank on this GPU
   return p;
 }
 
