@@ -85,16 +85,20 @@ __device__ inline uint32_t wait_signal(const EpParams& p, const uint64_t* sig, u
 
 // The last CTA of a grid to call this (after its writes) returns true, with every other CTA's
 // writes ordered before what it does next; it also resets the ticket for the next call.
+// One thread fences for the CTA: the barrier orders the other threads' writes before its fence,
+// and fences are cumulative (a system fence by every thread cost microseconds per call).
 __device__ inline bool last_cta(uint32_t* ticket) {
   __shared__ bool last;
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence_system();
     last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    if (last) *ticket = 0;
+    if (last) {
+      *ticket = 0;
+      __threadfence_system();
+    }
   }
   __syncthreads();
-  if (last) __threadfence_system();
   return last;
 }
 
@@ -228,9 +232,11 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   EpLocal* me = local_state(p);
   if (fused_send) {
     send_tokens(p, a, threadIdx.x / 32, blockDim.x / 32);
-    __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0) publish_dispatch(p);
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // for the whole CTA's sends (see last_cta)
+      publish_dispatch(p);
+    }
     __syncthreads();
   }
   const uint64_t call = me->call;
