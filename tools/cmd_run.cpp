@@ -96,6 +96,19 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The "check" object of --json: the comparison with the FP64 ideal.
+nlohmann::json check_json(const DiffReport& rep, double max_diff, double ideal_s, bool pass) {
+  return {{"diff", rep.diff},
+          {"worst_row", rep.worst_row},
+          {"worst_row_diff", rep.worst_row_diff},
+          {"worst_expert", rep.worst_expert},
+          {"worst_expert_diff", rep.worst_expert_diff},
+          {"max_abs_err", rep.max_abs_err},
+          {"max_diff", max_diff},
+          {"ideal_ms", ideal_s * 1e3},
+          {"pass", pass}};
+}
+
 // A host vector mirrored on the layer's device (a plain view of it on the CPU).
 struct DeviceCopy {
   Buffer buffer;
@@ -268,15 +281,7 @@ int run_slice(const RunOptions& o, const RunSetup& s, std::chrono::steady_clock:
                     {"warmup", o.warmup}};
     j["effective_gflops"] = median_s > 0 ? flops / median_s * 1e-9 : 0.0;
     if (!o.no_check) {
-      j["check"] = {{"diff", rep.diff},
-                    {"worst_row", rep.worst_row},
-                    {"worst_row_diff", rep.worst_row_diff},
-                    {"worst_expert", rep.worst_expert},
-                    {"worst_expert_diff", rep.worst_expert_diff},
-                    {"max_abs_err", rep.max_abs_err},
-                    {"max_diff", o.max_diff},
-                    {"ideal_ms", ideal_s * 1e3},
-                    {"pass", pass}};
+      j["check"] = check_json(rep, o.max_diff, ideal_s, pass);
       if (!contract.empty())
         j["check"]["vs_cpu_reference"] = {{"diff", contract_diff}, {"mismatches", contract_mismatches}};
     }
@@ -567,15 +572,7 @@ int run_virtual(const RunOptions& o, const RunSetup& s, std::chrono::steady_cloc
                     {"warmup", o.warmup}};
     j["effective_gflops"] = gflops;
     if (!o.no_check)
-      j["check"] = {{"diff", rep.diff},
-                    {"worst_row", rep.worst_row},
-                    {"worst_row_diff", rep.worst_row_diff},
-                    {"worst_expert", rep.worst_expert},
-                    {"worst_expert_diff", rep.worst_expert_diff},
-                    {"max_abs_err", rep.max_abs_err},
-                    {"max_diff", o.max_diff},
-                    {"ideal_ms", ideal_s * 1e3},
-                    {"pass", pass}};
+      j["check"] = check_json(rep, o.max_diff, ideal_s, pass);
     j["total_s"] = seconds_since(t_start);
     std::printf("%s\n", j.dump(2).c_str());
   } else {

@@ -96,6 +96,16 @@ RowsHint rows_hint(const LayerConfig& c, int64_t num_tokens, int64_t slots) {
   return {share, c.sm90.rows_hint == RowsHintMode::kExpected ? 0 : num_tokens};
 }
 
+// The same under expert parallelism with a group: every rank sends about T*K*E_l/E slots here,
+// T*K in all when the ranks have similar T (this rank's T stands for theirs); any local expert
+// may get up to one row per token of every rank. `bound`: every rank's T*K slots.
+RowsHint ep_rows_hint(const LayerConfig& c, int64_t num_tokens, int ranks, int64_t max_rows) {
+  const int64_t t = std::max<int64_t>(num_tokens, 1);
+  if (c.sm90.rows_hint == RowsHintMode::kBound) return {std::min(max_rows, ranks * t * c.shape.top_k), 0};
+  const int64_t per_expert_max = c.sm90.rows_hint == RowsHintMode::kGated ? std::min(max_rows, ranks * t) : 0;
+  return {t * c.shape.top_k, per_expert_max};
+}
+
 }  // namespace
 
 const char* stage_name(Stage stage) {
@@ -230,6 +240,54 @@ Sm90Layer::~Sm90Layer() {
   if (error_flag_host_ != nullptr) cudaFreeHost(const_cast<int32_t*>(error_flag_host_));
 }
 
+L1Args Sm90Layer::l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl) const {
+  L1Args l1;
+  l1.num_experts = static_cast<int>(config_.num_local_experts());
+  l1.hidden = config_.shape.hidden;
+  l1.intermediate = config_.shape.intermediate;
+  l1.max_rows = max_rows_;
+  l1.rows_hint = rows_hint;
+  l1.rows_per_expert_max = per_expert_max;
+  l1.row_offsets = view_.row_offsets;
+  l1.act = view_.act;
+  l1.row_weights = view_.row_weights;
+  l1.w13 = weights_->w13.as<uint8_t>();
+  l1.w13_sf = weights_->w13_sf.as<uint8_t>();
+  l1.small_scales = w13_small_scales_;
+  l1.w13_bias = weights_->has_bias() ? weights_->w13_bias.as<uint16_t>() : nullptr;
+  l1.activation = config_.activation;
+  l1.fast_math = config_.fast_math;
+  l1.h_q = view_.h_q;
+  l1.h_sf = view_.h_sf;
+  l1.h_act = view_.h_act;
+  l1.split_k = view_.split_k;
+  l1.tile = tile_;
+  l1.programmatic = pdl;
+  return l1;
+}
+
+L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl) const {
+  L2Args l2;
+  l2.num_experts = static_cast<int>(config_.num_local_experts());
+  l2.hidden = config_.shape.hidden;
+  l2.intermediate = config_.shape.intermediate;
+  l2.max_rows = max_rows_;
+  l2.rows_hint = rows_hint;
+  l2.rows_per_expert_max = per_expert_max;
+  l2.row_offsets = view_.row_offsets;
+  l2.h_act = view_.h_act;
+  l2.row_weights = view_.row_weights;
+  l2.w2 = weights_->w2.as<uint8_t>();
+  l2.w2_sf = weights_->w2_sf.as<uint8_t>();
+  l2.small_scales = w2_small_scales_;
+  l2.w2_bias = weights_->has_bias() ? weights_->w2_bias.as<uint16_t>() : nullptr;
+  l2.out = view_.out;
+  l2.split_k = view_.split_k;
+  l2.tile = tile_;
+  l2.programmatic = pdl;
+  return l2;
+}
+
 void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                         int64_t num_tokens, uint16_t* y, cudaStream_t stream, Stage last) {
   if (ep_ != nullptr) return forward_ep(x, topk_idx, topk_weights, num_tokens, y, stream);
@@ -277,51 +335,11 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
                 s.hidden, slots, view_.act, stream, pdl);
   if (done(Stage::kGather)) return;
 
-  L1Args l1;
-  l1.num_experts = static_cast<int>(num_local);
-  l1.hidden = s.hidden;
-  l1.intermediate = s.intermediate;
-  l1.max_rows = max_rows_;
   const RowsHint rows = rows_hint(config_, num_tokens, slots);
-  l1.rows_hint = rows.hint;
-  l1.rows_per_expert_max = rows.per_expert_max;
-  l1.row_offsets = view_.row_offsets;
-  l1.act = view_.act;
-  l1.row_weights = view_.row_weights;
-  l1.w13 = weights_->w13.as<uint8_t>();
-  l1.w13_sf = weights_->w13_sf.as<uint8_t>();
-  l1.small_scales = w13_small_scales_;
-  l1.w13_bias = weights_->has_bias() ? weights_->w13_bias.as<uint16_t>() : nullptr;
-  l1.activation = config_.activation;
-  l1.fast_math = config_.fast_math;
-  l1.h_q = view_.h_q;
-  l1.h_sf = view_.h_sf;
-  l1.h_act = view_.h_act;
-  l1.split_k = view_.split_k;
-  l1.tile = tile_;
-  l1.programmatic = pdl;
-  launch_l1(l1, stream);
+  launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl), stream);
   if (done(Stage::kL1)) return;
 
-  L2Args l2;
-  l2.num_experts = static_cast<int>(num_local);
-  l2.hidden = s.hidden;
-  l2.intermediate = s.intermediate;
-  l2.max_rows = max_rows_;
-  l2.rows_hint = rows.hint;
-  l2.rows_per_expert_max = rows.per_expert_max;
-  l2.row_offsets = view_.row_offsets;
-  l2.h_act = view_.h_act;
-  l2.row_weights = view_.row_weights;
-  l2.w2 = weights_->w2.as<uint8_t>();
-  l2.w2_sf = weights_->w2_sf.as<uint8_t>();
-  l2.small_scales = w2_small_scales_;
-  l2.w2_bias = weights_->has_bias() ? weights_->w2_bias.as<uint16_t>() : nullptr;
-  l2.out = view_.out;
-  l2.split_k = view_.split_k;
-  l2.tile = tile_;
-  l2.programmatic = pdl;
-  launch_l2(l2, stream);
+  launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl), stream);
   if (done(Stage::kL2)) return;
 
   launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream, pdl);
@@ -369,60 +387,13 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   send.error_flag = error_flag_dev_;
   if (!ep::fused_send(p)) ep::launch_send(p, send, stream, pdl);
   ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights, stream, pdl);
-  // Expected rows: every rank sends about T*K*E_l/E slots here, T*K in all when ranks have
-  // similar T; any local expert may get up to one row per token of every rank.
-  const int64_t hint = std::max<int64_t>(1, t * s.top_k);
   launch_gather(window + w.recv_xq, window + w.recv_sf, view_.row_offsets, view_.row_slot,
-                num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl, hint);
+                num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl,
+                std::max<int64_t>(1, t * s.top_k));
 
-  const int64_t per_expert_max =
-      config_.sm90.rows_hint == RowsHintMode::kGated ? std::min(max_rows_, g.size * std::max<int64_t>(t, 1)) : 0;
-  const int64_t rows_hint = config_.sm90.rows_hint == RowsHintMode::kBound
-                                ? std::min(max_rows_, g.size * std::max<int64_t>(t, 1) * s.top_k)
-                                : hint;
-  L1Args l1;
-  l1.num_experts = static_cast<int>(num_local);
-  l1.hidden = s.hidden;
-  l1.intermediate = s.intermediate;
-  l1.max_rows = max_rows_;
-  l1.rows_hint = rows_hint;
-  l1.rows_per_expert_max = per_expert_max;
-  l1.row_offsets = view_.row_offsets;
-  l1.act = view_.act;
-  l1.row_weights = view_.row_weights;
-  l1.w13 = weights_->w13.as<uint8_t>();
-  l1.w13_sf = weights_->w13_sf.as<uint8_t>();
-  l1.small_scales = w13_small_scales_;
-  l1.w13_bias = weights_->has_bias() ? weights_->w13_bias.as<uint16_t>() : nullptr;
-  l1.activation = config_.activation;
-  l1.fast_math = config_.fast_math;
-  l1.h_q = view_.h_q;
-  l1.h_sf = view_.h_sf;
-  l1.h_act = view_.h_act;
-  l1.split_k = view_.split_k;
-  l1.tile = tile_;
-  l1.programmatic = pdl;
-  launch_l1(l1, stream);
-
-  L2Args l2;
-  l2.num_experts = static_cast<int>(num_local);
-  l2.hidden = s.hidden;
-  l2.intermediate = s.intermediate;
-  l2.max_rows = max_rows_;
-  l2.rows_hint = rows_hint;
-  l2.rows_per_expert_max = per_expert_max;
-  l2.row_offsets = view_.row_offsets;
-  l2.h_act = view_.h_act;
-  l2.row_weights = view_.row_weights;
-  l2.w2 = weights_->w2.as<uint8_t>();
-  l2.w2_sf = weights_->w2_sf.as<uint8_t>();
-  l2.small_scales = w2_small_scales_;
-  l2.w2_bias = weights_->has_bias() ? weights_->w2_bias.as<uint16_t>() : nullptr;
-  l2.out = view_.out;
-  l2.split_k = view_.split_k;
-  l2.tile = tile_;
-  l2.programmatic = pdl;
-  launch_l2(l2, stream);
+  const RowsHint rows = ep_rows_hint(config_, t, g.size, max_rows_);
+  launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl), stream);
+  launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl), stream);
 
   ep::launch_return(p, view_.out, view_.row_offsets, view_.row_slot, stream, pdl);
   if (t > 0)

@@ -124,6 +124,10 @@ class Sm90Layer {
 
  private:
   void init_workspace();
+  // The GEMMs' arguments of a call: the workspace, the weights and the layer's options, with the
+  // policy's row estimates (L1Args).
+  L1Args l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl) const;
+  L2Args l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl) const;
   void forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                   int64_t num_tokens, uint16_t* y, cudaStream_t stream);
 

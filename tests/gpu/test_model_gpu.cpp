@@ -18,15 +18,21 @@ namespace {
 const std::string kModelDir = std::string(MEGAMOE_SOURCE_DIR) + "/examples/kimi_mini";
 constexpr double kCpuAgreementGate = 0.95;
 
+// Skips (printing why) without the sm90 backend; fails without the trained checkpoint.
+#define MEGAMOE_REQUIRE_SM90_BACKEND_AND_MODEL()                                              \
+  do {                                                                                     \
+    const auto backends_ = available_backends();                                           \
+    if (backends_.front() != "sm90") {                                                     \
+      std::printf("SKIPPED: no sm90 backend in this process (available: %s)\n",            \
+                  backends_.front().c_str());                                              \
+      GTEST_SKIP() << "no sm90 backend here (needs a CUDA build and an sm_90 GPU)";        \
+    }                                                                                      \
+    ASSERT_TRUE(std::filesystem::exists(kModelDir + "/model.safetensors"))                 \
+        << "no trained checkpoint in " << kModelDir;                                       \
+  } while (0)
+
 void gate_and_agreement_with_cpu(bool fast_math) {
-  const auto backends = available_backends();
-  if (backends.front() != "sm90") {
-    std::printf("SKIPPED: no sm90 backend in this process (available: %s)\n",
-                backends.front().c_str());
-    GTEST_SKIP() << "no sm90 backend here (needs a CUDA build and an sm_90 GPU)";
-  }
-  ASSERT_TRUE(std::filesystem::exists(kModelDir + "/model.safetensors"))
-      << "no trained checkpoint in " << kModelDir;
+  MEGAMOE_REQUIRE_SM90_BACKEND_AND_MODEL();
   const auto problems = load_problems(kModelDir + "/heldout.jsonl");
 
   ModelOptions gpu;
@@ -59,14 +65,7 @@ void gate_and_agreement_with_cpu(bool fast_math) {
 // R = 2 and 8 (16 and 4 of the 32 experts per rank). Decode steps with fewer running sequences
 // than ranks leave the last ranks without tokens; the three-prompt decode makes that certain.
 TEST(ModelGpu, ExpertParallelAnswersEqualOneRank) {
-  const auto backends = available_backends();
-  if (backends.front() != "sm90") {
-    std::printf("SKIPPED: no sm90 backend in this process (available: %s)\n",
-                backends.front().c_str());
-    GTEST_SKIP() << "no sm90 backend here (needs a CUDA build and an sm_90 GPU)";
-  }
-  ASSERT_TRUE(std::filesystem::exists(kModelDir + "/model.safetensors"))
-      << "no trained checkpoint in " << kModelDir;
+  MEGAMOE_REQUIRE_SM90_BACKEND_AND_MODEL();
   const auto problems = load_problems(kModelDir + "/heldout.jsonl");
   const std::vector<std::string> few = {problems[0].prompt(), problems[1].prompt(),
                                         problems[2].prompt()};
