@@ -182,12 +182,11 @@ void exchange(const std::string& shape, int ranks, int64_t t, double copy_tbs) {
       send.topk_weights = b.w.get();
       send.slot_map = b.slot_map.get();
       send.error = b.error.get();
-      if (!ep::fused_call(p)) ep::launch_send(p, send, *b.stream, true);
+      if (!ep::fused_send(p)) ep::launch_send(p, send, *b.stream, true);
       ep::launch_dispatch(p, send, b.row_offsets.get(), b.row_slot.get(), b.row_weights.get(),
                           *b.stream, true);
       if (with_return)
-        ep::launch_return(p, b.out.get(), b.row_offsets.get(), b.row_slot.get(), nullptr, nullptr,
-                          *b.stream, true);
+        ep::launch_return(p, b.out.get(), b.row_offsets.get(), b.row_slot.get(), *b.stream, true);
       MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[r], *b.stream));
     }
     for (int r = 1; r < ranks; ++r) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(origin, ev[r]));

@@ -2,13 +2,12 @@
 // parallelism"); the window layout and parameter block are in ep/ep_protocol.hpp.
 //
 //   ep_send         every source token to the ranks owning its experts; publishes dispatch_sig
-//                   (small calls: ep_dispatch's CTA quantizes and sends itself)
+//                   (small calls: done by ep_dispatch's CTA itself, one launch less)
 //   ep_dispatch     waits for every rank's dispatch_sig, then the per-local-expert row lists of
 //                   the received slots (the counting sort of sm90_dispatch.cuh)
 //   (gather, L1, L2 of the layer, reading the received rows)
 //   ep_return       every computed row to its source rank's combine slot; publishes return_sig;
-//                   its last CTA then waits for every rank's return_sig (and, small calls,
-//                   combines)
+//                   its last CTA then waits for every rank's return_sig
 //   (combine of the layer, over this rank's combine slots)
 //
 // Ordering: data is written with plain stores (to a peer: over NVLink), then each CTA fences at
@@ -24,9 +23,7 @@
 
 #include "ep/ep_protocol.hpp"
 #include "ptx/sm90_ptx.cuh"
-#include "sm90/sm90_combine_items.cuh"
 #include "sm90/sm90_dispatch_sort.cuh"
-#include "sm90/sm90_quantize_chunks.cuh"
 
 namespace megamoe::ep {
 
@@ -107,17 +104,14 @@ __device__ inline bool last_cta(uint32_t* ticket) {
 
 constexpr int kSendThreads = 256;
 constexpr int kSendWarps = kSendThreads / 32;
-// Calls with at most this many tokens quantize and send from ep_dispatch's own CTA, and combine
-// from ep_return's last CTA (three launches less; one CTA does this little work in less time
-// than a launch takes).
-constexpr int kFusedMaxTokens = 32;
+// Calls with at most this many tokens send from ep_dispatch's own CTA (one launch less; a single
+// CTA moves this little in less time than a launch takes).
+constexpr int kFusedSendMaxTokens = 32;
 
 // What the send reads (this call's quantized input and the caller's top-k) and writes locally.
-// x: the caller's BF16 input when ep_dispatch quantizes it into x_q/x_sf itself, else null.
 struct SendArgs {
-  const uint16_t* x;
-  uint8_t* x_q;
-  uint8_t* x_sf;
+  const uint8_t* x_q;
+  const uint8_t* x_sf;
   const int32_t* topk_idx;
   const float* topk_weights;
   int32_t* slot_map;              // [T*K]: t*K + k for a valid slot, else -1 (the combine's map)
@@ -161,10 +155,9 @@ __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t
       mask &= mask - 1;
       uint4* dst = reinterpret_cast<uint4*>(region<uint8_t>(p.peers[d], L.recv_xq) +
                                             (src_token0 + t) * H);
-      // Plain loads: ep_dispatch may have written x_q in this kernel (not read-only data).
-      for (int64_t c = lane; c < H / 16; c += 32) dst[c] = row[c];
+      for (int64_t c = lane; c < H / 16; c += 32) dst[c] = __ldg(row + c);
       uint8_t* dst_sf = region<uint8_t>(p.peers[d], L.recv_sf) + (src_token0 + t) * sf_row;
-      for (int64_t c = lane; c < sf_row; c += 32) dst_sf[c] = sf[c];
+      for (int64_t c = lane; c < sf_row; c += 32) dst_sf[c] = __ldg(sf + c);
     }
   }
 }
@@ -222,8 +215,8 @@ struct ReceivedSlots {
 
 // One CTA of kDispatchMaxWarps warps; dynamic shared memory as sm90_dispatch_topk_kernel. `d`
 // carries the row-list outputs (num_slots is set here from the received counts).
-// fused_send: this CTA quantizes (a.x) and sends the call's tokens itself first (calls of at
-// most kFusedMaxTokens tokens; no quantize or ep_send launch).
+// fused_send: this CTA sends the call's tokens itself first (calls of at most
+// kFusedSendMaxTokens tokens; no ep_send launch).
 __global__ void __launch_bounds__(sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize)
 ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, const SendArgs a,
                    bool fused_send) {
@@ -238,11 +231,6 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   const WindowLayout& L = p.layout;
   EpLocal* me = local_state(p);
   if (fused_send) {
-    if (a.x != nullptr) {
-      sm90::quantize_chunks(a.x, static_cast<int64_t>(p.num_tokens) * L.hidden / sm90::kQuantVec,
-                            a.x_q, a.x_sf, threadIdx.x, blockDim.x);
-      __syncthreads();  // the CTA's own stores: visible to its plain loads after the barrier
-    }
     send_tokens(p, a, threadIdx.x / 32, blockDim.x / 32);
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -293,17 +281,9 @@ constexpr int kReturnWarps = kReturnThreads / 32;
 // row's source rank. The last CTA publishes return_sig on every rank, then waits for every
 // rank's return_sig of this call; only then may the combine launch (PDL): its CTAs must not sit
 // on the GPU while a rank it waits for still needs room to run.
-// The combine the last CTA does itself for small calls (y non-null): this rank's T tokens from
-// its combine slots, the one-GPU combine's order and arithmetic.
-struct FusedCombine {
-  const int32_t* slot_map;  // [T*K] from the send
-  uint16_t* y;              // [T, H], or null: the layer launches the combine kernel
-};
-
 __global__ void __launch_bounds__(kReturnThreads)
 ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
-                 const int32_t* __restrict__ row_offsets, const int32_t* __restrict__ row_slot,
-                 const FusedCombine combine) {
+                 const int32_t* __restrict__ row_offsets, const int32_t* __restrict__ row_slot) {
   ptx::grid_dependency_wait();  // PDL: L2's rows are complete
   if (p.early_launch) ptx::launch_dependents();
   const WindowLayout& L = p.layout;
@@ -337,10 +317,6 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
       record_error(p, StatusCode::kRecvOverflow, Stage::kCombine, d, 0, 0);
   }
   __syncthreads();
-  if (combine.y != nullptr)
-    sm90::combine_items<true>(region<uint16_t>(p.peers[p.rank], L.combine), combine.slot_map,
-                              static_cast<uint32_t>(p.num_tokens), static_cast<int32_t>(K),
-                              static_cast<uint32_t>(H), combine.y, threadIdx.x, blockDim.x);
   if (!p.early_launch) ptx::launch_dependents();
 }
 

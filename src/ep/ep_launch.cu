@@ -29,7 +29,6 @@ int grid_for_warps(int64_t warps, int warps_per_cta) {
 namespace {
 SendArgs send_args(const EpParams& p, const SendInputs& in) {
   SendArgs a{};
-  a.x = fused_call(p) ? in.x : nullptr;
   a.x_q = in.x_q;
   a.x_sf = in.x_sf;
   a.topk_idx = in.topk_idx;
@@ -44,7 +43,7 @@ SendArgs send_args(const EpParams& p, const SendInputs& in) {
 }
 }  // namespace
 
-bool fused_call(const EpParams& p) { return p.num_tokens <= kFusedMaxTokens; }
+bool fused_send(const EpParams& p) { return p.num_tokens <= kFusedSendMaxTokens; }
 
 void launch_send(const EpParams& p, const SendInputs& in, cudaStream_t stream, bool programmatic) {
   MEGAMOE_CHECK_ARG(p.layout.hidden % 32 == 0, "ep send: expected H a multiple of 32, got ",
@@ -88,16 +87,14 @@ void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offse
   const size_t smem = static_cast<size_t>(num_warps) * p.num_local * sizeof(int32_t);
   configure_dispatch(p.num_local);
   cuda::launch(ep_dispatch_kernel, 1, sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize, smem,
-               stream, programmatic, p, d, num_warps, send_args(p, in), fused_call(p));
+               stream, programmatic, p, d, num_warps, send_args(p, in), fused_send(p));
 }
 
 void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,
-                   const int32_t* row_slot, const int32_t* slot_map, uint16_t* y,
-                   cudaStream_t stream, bool programmatic) {
+                   const int32_t* row_slot, cudaStream_t stream, bool programmatic) {
   const int64_t expected_rows = std::max<int64_t>(1, int64_t{p.num_tokens} * p.layout.top_k);
-  const FusedCombine combine{slot_map, fused_call(p) && p.num_tokens > 0 ? y : nullptr};
   cuda::launch(ep_return_kernel, grid_for_warps(expected_rows, kReturnWarps), kReturnThreads, 0,
-               stream, programmatic, p, out, row_offsets, row_slot, combine);
+               stream, programmatic, p, out, row_offsets, row_slot);
 }
 
 void load_kernels() {

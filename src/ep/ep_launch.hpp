@@ -16,9 +16,8 @@ namespace megamoe::ep {
 // The send's inputs: x_q/x_sf this call's quantized tokens, topk_idx/topk_weights the caller's,
 // slot_map [T*K] the combine's row map (written), error/error_flag the layer's invalid-id record.
 struct SendInputs {
-  const uint16_t* x = nullptr;   // BF16 input: fused calls quantize it in the dispatch kernel
-  uint8_t* x_q = nullptr;
-  uint8_t* x_sf = nullptr;
+  const uint8_t* x_q = nullptr;
+  const uint8_t* x_sf = nullptr;
   const int32_t* topk_idx = nullptr;
   const float* topk_weights = nullptr;
   int32_t* slot_map = nullptr;
@@ -26,12 +25,10 @@ struct SendInputs {
   int32_t* error_flag = nullptr;
 };
 
-// Whether a call of this rank is small enough that the dispatch kernel quantizes and sends its
-// tokens (no launch_quantize_input, no launch_send) and the return kernel combines them (no
-// launch_combine).
-bool fused_call(const EpParams& p);
+// Whether a call of this rank sends from the dispatch kernel (no launch_send).
+bool fused_send(const EpParams& p);
 
-// Sends this rank's tokens (not for fused calls).
+// Sends this rank's tokens (not for fused calls; see fused_send).
 void launch_send(const EpParams& p, const SendInputs& in, cudaStream_t stream, bool programmatic);
 
 // Waits for every rank's tokens and builds the row lists: row_offsets [E_l + 1], row_slot /
@@ -43,11 +40,9 @@ void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offse
 // layer construction so that forward() makes none).
 void configure_dispatch(int64_t num_local);
 
-// Returns the computed rows to their sources and waits for every rank's; for a fused call also
-// combines into y (slot_map from the send; y null otherwise).
+// Returns the computed rows to their sources and waits for every rank's.
 void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,
-                   const int32_t* row_slot, const int32_t* slot_map, uint16_t* y,
-                   cudaStream_t stream, bool programmatic);
+                   const int32_t* row_slot, cudaStream_t stream, bool programmatic);
 
 // Loads the EP kernels into the current context (see sm90::load_gemm_kernels).
 void load_kernels();

@@ -354,8 +354,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
 //
 //   quantize        x -> x_q, x_sf                         (this rank's tokens)
 //   ep send         rows to the owners' recv_xq/recv_sf, ids and weights to every rank (calls
-//                   of up to kFusedMaxTokens tokens: quantize and send inside ep dispatch, and
-//                   the combine inside ep return)
+//                   of up to kFusedSendMaxTokens tokens: done inside ep dispatch)
 //   ep dispatch     wait for every rank's tokens; row lists of the received slots
 //   gather, L1, L2  on the received rows (the one-GPU kernels)
 //   ep return       each row to its source's combine slot t*K + k; wait for every rank's rows
@@ -377,10 +376,8 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   uint8_t* window = p.peers[g.rank];
   const bool pdl = programmatic_;
 
-  const bool fused = ep::fused_call(p);  // small calls: quantize, send and combine fused
-  if (t > 0 && !fused) launch_quantize_input(x, t, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
+  if (t > 0) launch_quantize_input(x, t, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
   ep::SendInputs send;
-  send.x = x;
   send.x_q = view_.x_q;
   send.x_sf = view_.x_sf;
   send.topk_idx = topk_idx;
@@ -388,7 +385,7 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   send.slot_map = view_.slot_to_row;
   send.error = view_.error;
   send.error_flag = error_flag_dev_;
-  if (!fused) ep::launch_send(p, send, stream, pdl);
+  if (!ep::fused_send(p)) ep::launch_send(p, send, stream, pdl);
   ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights, stream, pdl);
   launch_gather(window + w.recv_xq, window + w.recv_sf, view_.row_offsets, view_.row_slot,
                 num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl,
@@ -398,9 +395,8 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl), stream);
   launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl), stream);
 
-  ep::launch_return(p, view_.out, view_.row_offsets, view_.row_slot, view_.slot_to_row, y, stream,
-                    pdl);
-  if (t > 0 && !fused)
+  ep::launch_return(p, view_.out, view_.row_offsets, view_.row_slot, stream, pdl);
+  if (t > 0)
     launch_combine(reinterpret_cast<const uint16_t*>(window + w.combine), view_.slot_to_row, t,
                    s.top_k, s.hidden, y, stream, pdl);
   MEGAMOE_CHECK(!over, ErrorCode::kOutOfRange, "forward: EP rank ", g.rank, " of ", g.size,
