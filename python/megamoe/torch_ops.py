@@ -35,6 +35,13 @@ gone raises InvalidArgumentError naming the handle. Register a layer before comp
 uses it (MoEModule registers at construction); registration inside traced code is a side effect
 torch.compile cannot trace.
 
+The handle is a constant of a compiled graph. Compile the whole model (one graph, each layer's
+call with its own handle: examples/kimi_mini/engine_swap.py --compile), not each MoE block's
+forward on its own: the blocks share one code object, and every layer's handle would recompile
+it (torch.compile stops at 8 recompilations; fullgraph=True makes that an error). Where blocks
+must be compiled one by one, torch._dynamo.config.allow_unspec_int_on_nn_module = True passes
+MoEModule's handle as a graph input instead.
+
 Importing this module imports torch (the rest of the package never does) and registers the ops.
 """
 
