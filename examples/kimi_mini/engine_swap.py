@@ -166,8 +166,8 @@ def per_token_cast_to_fp8(x: torch.Tensor):
     words = -(-groups // 4)
     padded = torch.zeros((t, words * 4), dtype=torch.int32, device=x.device)
     padded[:, :groups] = b
-    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=x.device)
-    packed = (padded.reshape(t, words, 4) << shifts).sum(-1, dtype=torch.int32)
+    four = padded.reshape(t, words, 4)
+    packed = four[..., 0] | (four[..., 1] << 8) | (four[..., 2] << 16) | (four[..., 3] << 24)
     return q, packed
 
 

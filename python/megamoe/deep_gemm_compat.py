@@ -355,9 +355,10 @@ def _ue8m0_from_float(sf, arg):
 
 
 def _unpack_int32_sf(sf, groups):
-    """uint8 [..., groups] from DeepGEMM's packed int32 [..., ceil(groups / 4)] (any strides)."""
-    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=sf.device)
-    b = (sf.unsqueeze(-1) >> shifts) & 0xFF
+    """uint8 [..., groups] from DeepGEMM's packed int32 [..., ceil(groups / 4)] (any strides).
+    Scalar shifts only: a tensor of shifts would be a host-to-device copy, which a CUDA graph
+    cannot capture."""
+    b = torch.stack([(sf >> shift) & 0xFF for shift in (0, 8, 16, 24)], dim=-1)
     return b.reshape(*sf.shape[:-1], sf.shape[-1] * _GROUPS_PER_INT)[..., :groups].to(torch.uint8)
 
 
