@@ -511,9 +511,10 @@ class _ExpertWeights:
                                "graph; call it once before capturing, or use "
                                "prepare_mega_moe_layer")
         kind = _activation_kind(spec, "activation")
-        if kind != _activation_kind(self.activation, "activation"):
-            raise _invalid(f"activation: the weights were transformed for '{self.activation}', "
-                           f"the call asks for '{spec}'")
+        for what, name in (("the weights were transformed", self.activation),
+                           ("the buffer was made", buffer.activation)):
+            if kind != _activation_kind(name, "activation"):
+                raise _invalid(f"activation: {what} for '{name}', the call asks for '{spec}'")
         if (self.hidden, self.intermediate) != (buffer.hidden, buffer.intermediate_hidden):
             raise _invalid(f"l1_weights: experts of hidden {self.hidden} and intermediate "
                            f"{self.intermediate} do not match the buffer's "
@@ -524,9 +525,11 @@ class _ExpertWeights:
                            f"({buffer.num_experts} over {buffer.num_ranks} ranks)")
         config = buffer.config(spec, fast_math)
         w13, w13_sf, w2, w2_sf = self.arrays
-        weights = _layer.MoeWeights.from_arrays(w13, w13_sf, w2, w2_sf,
-                                         first_expert=buffer.rank * self.num_local_experts)
-        with torch.cuda.device(buffer.device) if buffer.device.type == "cuda" else contextlib.nullcontext():
+        first = buffer.rank * self.num_local_experts
+        weights = _layer.MoeWeights.from_arrays(w13, w13_sf, w2, w2_sf, first_expert=first)
+        on_device = (torch.cuda.device(buffer.device) if buffer.device.type == "cuda"
+                     else contextlib.nullcontext())
+        with on_device:  # a GPU layer is built on the current device
             layer = _layer.MoELayer(config, weights, backend=buffer.backend,
                                     group=buffer.ep_group)
         self.layer, self.buffer_handle, self.bound = layer, buffer.handle, (spec, fast_math)

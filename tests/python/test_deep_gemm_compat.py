@@ -432,10 +432,14 @@ def test_call_errors():
     # the weights were transformed for swiglu
     with pytest.raises(megamoe.InvalidArgumentError, match="transformed for 'swiglu'"):
         call(y, l1, l2, buf, activation="situ")
-    # a bad SiTU parameter is megamoe's own activation check
+    # the buffer was made for swiglu too
     s1, s2 = _transform(_canonical(), "situ")
+    with pytest.raises(megamoe.InvalidArgumentError, match="the buffer was made for 'swiglu'"):
+        call(y, s1, s2, buf, activation="situ")
+    # a bad SiTU parameter is megamoe's own activation check
+    situ_buf = mega.get_symm_buffer_for_mega_moe(None, E, CAP, K, H, I, activation="situ")
     with pytest.raises(megamoe.InvalidArgumentError, match="beta"):
-        call(y, s1, s2, buf, activation="situ", situ_beta=-1.0)
+        call(y, s1, s2, situ_buf, activation="situ", situ_beta=-1.0)
     with pytest.raises(megamoe.UnsupportedError, match="bf16_mega_moe"):
         mega.bf16_mega_moe(y, l1, l2, buf)
     # nothing above bound the weights
