@@ -16,6 +16,10 @@ BF16 is numpy uint16 (raw bits), ml_dtypes.bfloat16 or torch.bfloat16.
 Expert parallelism (R ranks, each owning E / R experts, one process per GPU over NCCL or R
 virtual ranks on one GPU): megamoe.ep, and MoELayer(..., group=...).
 
+With torch (imported on request, never by this package itself): megamoe.torch_ops (the layer as
+the custom op torch.ops.megamoe.moe_forward, for torch.compile and CUDA graphs) and
+megamoe.deep_gemm_compat (DeepGEMM's Mega MoE Python API served by megamoe).
+
 Errors are megamoe.Error subclasses that are also the matching builtin exception:
 InvalidArgumentError (ValueError), DTypeError (TypeError), OutOfRangeError (ValueError),
 FormatError (ValueError), IoError (OSError), UnsupportedError / CudaError / InternalError
