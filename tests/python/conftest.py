@@ -18,6 +18,25 @@ import megamoe
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+try:
+    import torch
+except ImportError:  # the CPU CI machine may not have torch
+    torch = None
+
+
+def sm90_torch_skip_reason():
+    """Why the torch + sm90 GPU tests cannot run here, or None when they can (CI without a GPU
+    skips them with this reason; on an H200 they run and fail loudly)."""
+    if torch is None:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    if "sm90" not in megamoe.available_backends():
+        return (f"the sm90 backend is not available (extension built with CUDA: "
+                f"{megamoe.WITH_CUDA}; backends here: {megamoe.available_backends()})")
+    return None
+
+
 def find_cli():
     """The `megamoe` program for cross-checks: $MEGAMOE_CLI, else `megamoe` on PATH, else the
     newest build*/megamoe of this repository; None when there is none."""

@@ -25,24 +25,9 @@ import pytest
 
 import megamoe
 
-try:
-    import torch
-except ImportError:  # the CPU CI machine may not have torch
-    torch = None
+from conftest import sm90_torch_skip_reason, torch
 
-
-def _skip_reason():
-    if torch is None:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} sees no CUDA device"
-    if "sm90" not in megamoe.available_backends():
-        return (f"the sm90 backend is not available (extension built with CUDA: "
-                f"{megamoe.WITH_CUDA}; backends here: {megamoe.available_backends()})")
-    return None
-
-
-SKIP_REASON = _skip_reason()
+SKIP_REASON = sm90_torch_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 CAPACITY = 64  # max_tokens_per_rank of every rank
