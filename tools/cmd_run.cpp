@@ -96,6 +96,31 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// How far two BF16 outputs of the same call are apart: the elements whose bits differ and the
+// diff metric of their values.
+struct Bf16Agreement {
+  int64_t mismatches = 0;
+  double diff = 0;
+};
+Bf16Agreement compare_bf16(const std::vector<uint16_t>& y, const std::vector<uint16_t>& ref) {
+  Bf16Agreement out;
+  std::vector<double> a(y.size()), b(y.size());
+  for (size_t i = 0; i < y.size(); ++i) {
+    a[i] = bf16_to_f32(y[i]);
+    b[i] = bf16_to_f32(ref[i]);
+    out.mismatches += y[i] != ref[i];
+  }
+  out.diff = diff_metric(a.data(), b.data(), static_cast<int64_t>(a.size()));
+  return out;
+}
+
+// The check against the FP64 ideal: the whole output, its worst row and its worst expert within
+// the limit (a NaN diff fails).
+bool passes(const DiffReport& rep, double max_diff) {
+  auto within = [&](double d) { return std::isfinite(d) && d <= max_diff; };
+  return within(rep.diff) && within(rep.worst_row_diff) && within(rep.worst_expert_diff);
+}
+
 // The "check" object of --json: the comparison with the FP64 ideal.
 nlohmann::json check_json(const DiffReport& rep, double max_diff, double ideal_s, bool pass) {
   return {{"diff", rep.diff},
@@ -245,16 +270,11 @@ int run_slice(const RunOptions& o, const RunSetup& s, std::chrono::steady_clock:
   bool pass = true;
   if (!o.no_check) {
     rep = compare_output(cfg, y.data(), ideal.data(), routing.topk_idx.data(), T);
-    auto within = [&](double d) { return std::isfinite(d) && d <= o.max_diff; };
-    pass = within(rep.diff) && within(rep.worst_row_diff) && within(rep.worst_expert_diff);
+    pass = passes(rep, o.max_diff);
     if (!contract.empty()) {
-      std::vector<double> a(contract.size()), b(contract.size());
-      for (size_t i = 0; i < contract.size(); ++i) {
-        a[i] = bf16_to_f32(y[i]);
-        b[i] = bf16_to_f32(contract[i]);
-        contract_mismatches += y[i] != contract[i];
-      }
-      contract_diff = diff_metric(a.data(), b.data(), static_cast<int64_t>(a.size()));
+      const Bf16Agreement agreement = compare_bf16(y, contract);
+      contract_mismatches = agreement.mismatches;
+      contract_diff = agreement.diff;
     }
   }
 
@@ -520,17 +540,12 @@ int run_virtual(const RunOptions& o, const RunSetup& s, std::chrono::steady_cloc
     // copy_bytes runs on the legacy default stream, after the layer's work on it
     copy_bytes(y_ep1.data(), Device::cpu(), y_ep1_dev.data(), dev, x_bytes);
     ep1.check_errors(nullptr);
-    std::vector<double> a(y.size()), b(y.size());
-    for (size_t i = 0; i < y.size(); ++i) {
-      a[i] = bf16_to_f32(y[i]);
-      b[i] = bf16_to_f32(y_ep1[i]);
-      mismatches += y[i] != y_ep1[i];
-    }
-    ep1_diff = diff_metric(a.data(), b.data(), static_cast<int64_t>(a.size()));
+    const Bf16Agreement agreement = compare_bf16(y, y_ep1);
+    mismatches = agreement.mismatches;
+    ep1_diff = agreement.diff;
     rep = compare_output(full, y.data(), ideal.data(), idx.data(), total);
     rep_ep1 = compare_output(full, y_ep1.data(), ideal.data(), idx.data(), total);
-    auto within = [&](double d) { return std::isfinite(d) && d <= o.max_diff; };
-    pass = within(rep.diff) && within(rep.worst_row_diff) && within(rep.worst_expert_diff);
+    pass = passes(rep, o.max_diff);
   }
 
   const int64_t el = base.num_local_experts();
