@@ -37,6 +37,30 @@ def sm90_torch_skip_reason():
     return None
 
 
+def routed_block(layer, cfg, seed, scale, device="cpu"):
+    """A torch module around a megamoe layer, for the custom-op tests: a sigmoid top-k router
+    (a fixed random gate of `seed` and `scale`), megamoe.torch_ops.MoEModule for the experts and a
+    residual, all of it one graph under torch.compile."""
+    import megamoe.torch_ops as ops
+
+    class RoutedBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            gate = torch.randn(cfg.shape.num_experts, cfg.shape.hidden, generator=g) * scale
+            self.register_buffer("gate", gate.to(device))
+            self.k = cfg.shape.top_k
+            self.experts = ops.MoEModule(layer)
+
+        def forward(self, x):
+            s = torch.sigmoid(x.float() @ self.gate.t())
+            w, idx = s.topk(self.k, dim=-1)
+            w = w / w.sum(-1, keepdim=True)
+            return (x.float() + self.experts(x, idx, w).float()).to(torch.bfloat16)
+
+    return RoutedBlock()
+
+
 def find_cli():
     """The `megamoe` program for cross-checks: $MEGAMOE_CLI, else `megamoe` on PATH, else the
     newest build*/megamoe of this repository; None when there is none."""

@@ -21,7 +21,7 @@ import pytest
 
 import megamoe
 
-from conftest import sm90_torch_skip_reason, torch
+from conftest import routed_block, sm90_torch_skip_reason, torch
 
 SKIP_REASON = sm90_torch_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
@@ -76,28 +76,10 @@ def _capture(fn):
 # ------------------------------------------------------------------------------------------------
 # One GPU
 # ------------------------------------------------------------------------------------------------
-class _Block(torch.nn.Module if torch is not None else object):
-    """Router (sigmoid top-k), the megamoe experts, a residual: one graph under compile."""
-
-    def __init__(self, layer, cfg):
-        super().__init__()
-        g = torch.Generator().manual_seed(11)
-        gate = torch.randn(cfg.shape.num_experts, cfg.shape.hidden, generator=g) * 0.05
-        self.register_buffer("gate", gate.cuda())
-        self.k = cfg.shape.top_k
-        self.experts = ops.MoEModule(layer)
-
-    def forward(self, x):
-        s = torch.sigmoid(x.float() @ self.gate.t())
-        w, idx = s.topk(self.k, dim=-1)
-        w = w / w.sum(-1, keepdim=True)
-        return (x.float() + self.experts(x, idx, w).float()).to(torch.bfloat16)
-
-
 def test_op_eager_compiled_and_graph_replay_are_bitwise_equal():
     cfg = _config()
     layer = megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, SEED), backend="sm90")
-    block = _Block(layer, cfg)
+    block = routed_block(layer, cfg, seed=11, scale=0.05, device="cuda")
     compiled = torch.compile(block, fullgraph=True)
     x_static = _cuda(*_workload(cfg, CAP, 1))[0]
     np.testing.assert_array_equal(_bits(compiled(x_static)), _bits(block(x_static)))

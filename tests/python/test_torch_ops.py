@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import megamoe
-from conftest import make_inputs, tiny_config
+from conftest import make_inputs, routed_block, tiny_config
 
 torch = pytest.importorskip("torch", reason="megamoe.torch_ops needs torch")
 ops = pytest.importorskip("megamoe.torch_ops")
@@ -90,28 +90,9 @@ def test_fake_tensor_shapes():
         assert tuple(y.shape) == (11, cfg.shape.hidden) and y.dtype == torch.bfloat16
 
 
-class _Block(torch.nn.Module):
-    """An engine-style MoE block around the op: router (sigmoid top-k), the megamoe experts, a
-    residual; everything in one graph."""
-
-    def __init__(self, layer, cfg):
-        super().__init__()
-        g = torch.Generator().manual_seed(7)
-        self.gate = torch.nn.Parameter(torch.randn(cfg.shape.num_experts, cfg.shape.hidden,
-                                                   generator=g) * 0.1, requires_grad=False)
-        self.k = cfg.shape.top_k
-        self.experts = ops.MoEModule(layer)
-
-    def forward(self, x):
-        s = torch.sigmoid(x.float() @ self.gate.t())
-        w, idx = s.topk(self.k, dim=-1)
-        w = w / w.sum(-1, keepdim=True)
-        return (x.float() + self.experts(x, idx, w).float()).to(torch.bfloat16)
-
-
 def test_compile_fullgraph_equals_eager():
     cfg, layer = _layer("swiglu:clamp=7")
-    block = _Block(layer, cfg)
+    block = routed_block(layer, cfg, seed=7, scale=0.1, device="cpu")
     compiled = torch.compile(block, fullgraph=True, dynamic=True)
     for t, seed in ((64, 5), (13, 6), (0, 7)):
         x = _torch_inputs(cfg, max(t, 1), seed)[0][:t]
