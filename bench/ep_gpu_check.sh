@@ -6,6 +6,7 @@
 #
 #   STEPS="tests cli model python bench" bench/ep_gpu_check.sh BIN_DIR
 #
+# PYTESTS replaces the Python test files of the python step (default: the EP and error tests).
 # BIN_DIR holds megamoe, megamoe_gpu_tests, megamoe_tests and megamoe_ep_bench built on the
 # development machine from this tree (their compiled-in source path is linked to this tree).
 # Needs carry [".carry/deps", BIN_DIR]. NCCL: the libnccl of torch's nvidia-nccl wheel goes first
@@ -64,7 +65,7 @@ if has python; then
   say "python EP tests"
   wait "$pybuild"; echo "python build exit $?" >>"$LOG"; tail -2 "$OUT/python_build.log" >>"$LOG"
   PYTHONPATH=/tmp/build-py/python MEGAMOE_CLI="$BIN/megamoe" timeout 240 python3 -m pytest -q -rs -p no:cacheprovider \
-    tests/python/test_ep.py tests/python/test_ep_gpu.py tests/python/test_errors.py >"$OUT/python.log" 2>&1
+    ${PYTESTS:-tests/python/test_ep.py tests/python/test_ep_gpu.py tests/python/test_errors.py} >"$OUT/python.log" 2>&1
   echo "exit $?" >>"$OUT/python.log"
   grep -E "passed|failed|SKIPPED|Error|^exit" "$OUT/python.log" | tail -20 >>"$LOG"
 fi

@@ -39,6 +39,13 @@ def _config(activation="swiglu", fast_math=False, shape=(H, I, E, K), capacity=C
                                fast_math=fast_math, max_tokens_per_rank=capacity)
 
 
+def _cpu_buffer(*args, **kwargs):
+    """A SymmBuffer on the CPU backend: these tests hand CPU tensors over, also on a GPU machine
+    (test_torch_gpu.py runs the same calls on the sm90 backend)."""
+    kwargs.setdefault("backend", "cpu")
+    return mega.get_symm_buffer_for_mega_moe(*args, **kwargs)
+
+
 def _canonical(shape=(H, I, E, K), seed=SEED):
     """numpy canonical arrays (w13, w13_sf, w2, w2_sf) of synthetic weights."""
     w = megamoe.synthetic_weights(_config(shape=shape), seed)
@@ -254,7 +261,7 @@ ACTIVATIONS = [
 @pytest.mark.parametrize("kwargs,spec,fast_math", ACTIVATIONS)
 def test_call_equals_reference_on_the_fp8_inputs(kwargs, spec, fast_math):
     l1, l2 = _transform(_canonical(), kwargs["activation"])
-    buf = mega.get_symm_buffer_for_mega_moe(None, E, CAP, K, H, I,
+    buf = _cpu_buffer(None, E, CAP, K, H, I,
                                             activation=kwargs["activation"])
     for t, seed in ((CAP, 11), (5, 12), (0, 13)):
         x, idx, w = _inputs(t, seed)
@@ -281,7 +288,7 @@ def test_codes_below_the_top_binade_give_the_same_values():
     sf[0, 0], sf[0, 1] = 105, 127
     sf[1, :] = 246  # the largest byte whose values fit BF16: outputs are Inf/NaN, as the reference
     l1, l2 = _transform(_canonical())
-    buf = mega.get_symm_buffer_for_mega_moe(None, E, CAP, K, H, I)
+    buf = _cpu_buffer(None, E, CAP, K, H, I)
     _load_inputs(buf, q, sf, idx, w)
     y = torch.empty((t, H), dtype=torch.bfloat16)
     mega.fp8_fp4_mega_moe(y, l1, l2, buf, fast_math=False)
@@ -294,7 +301,7 @@ def test_codes_below_the_top_binade_give_the_same_values():
 
 def test_cumulative_recv_stats_add_rows_per_expert():
     l1, l2 = _transform(_canonical())
-    buf = mega.get_symm_buffer_for_mega_moe(None, E, CAP, K, H, I)
+    buf = _cpu_buffer(None, E, CAP, K, H, I)
     stats = torch.arange(E, dtype=torch.int32)
     want = stats.clone()
     for t, seed in ((9, 1), (CAP, 2)):
@@ -313,7 +320,7 @@ def test_compiled_call_equals_eager():
     buffer, call fp8_fp4_mega_moe into a preallocated y; bit for bit the eager result, at two
     token counts."""
     l1, l2 = _transform(_canonical(), "situ")
-    buf = mega.get_symm_buffer_for_mega_moe(None, E, CAP, K, H, I, activation="situ")
+    buf = _cpu_buffer(None, E, CAP, K, H, I, activation="situ")
     stats = torch.zeros(E, dtype=torch.int32)
 
     def step(x_q, x_sf, idx, w, y):
@@ -351,7 +358,7 @@ def test_one_rank_torch_distributed_group():
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        buf = mega.get_symm_buffer_for_mega_moe(dist.group.WORLD, E, CAP, K, H, I)
+        buf = _cpu_buffer(dist.group.WORLD, E, CAP, K, H, I)
         assert (buf.rank, buf.num_ranks, buf.ep_group) == (0, 1, None)
         l1, l2 = _transform(_canonical())
         x, idx, w = make_inputs(_config(), 6, 31)
@@ -369,7 +376,7 @@ def test_one_rank_torch_distributed_group():
 # ------------------------------------------------------------------------------------------------
 def _bound():
     l1, l2 = _transform(_canonical())
-    buf = mega.get_symm_buffer_for_mega_moe(None, E, CAP, K, H, I)
+    buf = _cpu_buffer(None, E, CAP, K, H, I)
     x, idx, w = make_inputs(_config(), 4, 41)
     q, sf = megamoe.quantize_input(x)
     _load_inputs(buf, q, sf, idx, w)
@@ -386,7 +393,7 @@ def test_first_call_fixes_activation_and_fast_math():
         mega.fp8_fp4_mega_moe(y, l1, l2, buf, activation_clamp=7.0)
     with pytest.raises(megamoe.InvalidArgumentError, match="fast_math=False"):
         mega.fp8_fp4_mega_moe(y, l1, l2, buf, activation_clamp=10.0, fast_math=False)
-    other = mega.get_symm_buffer_for_mega_moe(None, E, CAP, K, H, I)
+    other = _cpu_buffer(None, E, CAP, K, H, I)
     with pytest.raises(megamoe.InvalidArgumentError, match="another SymmBuffer"):
         mega.fp8_fp4_mega_moe(y, l1, l2, other, activation_clamp=10.0)
 
@@ -437,7 +444,7 @@ def test_call_errors():
     with pytest.raises(megamoe.InvalidArgumentError, match="the buffer was made for 'swiglu'"):
         call(y, s1, s2, buf, activation="situ")
     # a bad SiTU parameter is megamoe's own activation check
-    situ_buf = mega.get_symm_buffer_for_mega_moe(None, E, CAP, K, H, I, activation="situ")
+    situ_buf = _cpu_buffer(None, E, CAP, K, H, I, activation="situ")
     with pytest.raises(megamoe.InvalidArgumentError, match="beta"):
         call(y, s1, s2, situ_buf, activation="situ", situ_beta=-1.0)
     with pytest.raises(megamoe.UnsupportedError, match="bf16_mega_moe"):
@@ -486,11 +493,11 @@ def test_buffer_errors():
 
 def test_weights_of_another_shape_are_refused_at_binding():
     l1, l2 = _transform(_canonical(shape=(H, 96, E, K)))
-    buf = mega.get_symm_buffer_for_mega_moe(None, E, CAP, K, H, I)
+    buf = _cpu_buffer(None, E, CAP, K, H, I)
     with pytest.raises(megamoe.InvalidArgumentError, match="intermediate 96"):
         mega.fp8_fp4_mega_moe(torch.empty((1, H), dtype=torch.bfloat16), l1, l2, buf)
     l1, l2 = _transform(_canonical())
-    buf = mega.get_symm_buffer_for_mega_moe(None, 2 * E, CAP, K, H, I)
+    buf = _cpu_buffer(None, 2 * E, CAP, K, H, I)
     with pytest.raises(megamoe.InvalidArgumentError, match="8 local experts.*holds 16"):
         mega.fp8_fp4_mega_moe(torch.empty((1, H), dtype=torch.bfloat16), l1, l2, buf)
 
