@@ -79,11 +79,12 @@ inline const uint32_t* device_random_words() {
 }
 
 // Launches kernel(gw, cycles, sink) on one CTA per SM (twice: the first is a warm-up), then prints
-// the cycles per unit and warpgroup and the tensor pipe's use: ideal = MACs / 2048 per SM cycle
-// (dense BF16), over the median warpgroup's cycles. The kernel writes its cycles per warpgroup to
+// the cycles per unit and warpgroup and the tensor pipe's use: ideal = MACs / macs_per_cycle per SM
+// cycle (2048: dense BF16; 4096: dense FP8), over the median warpgroup's cycles. The kernel writes its cycles per warpgroup to
 // cycles[block * nwg + wg] after running `units` units per warpgroup.
 template <class Kernel>
-void report(Kernel kernel, int smem, int nwg, int n, const char* name, int units = kUnits) {
+void report(Kernel kernel, int smem, int nwg, int n, const char* name, int units = kUnits,
+            double macs_per_cycle = 2048.0) {
   static const uint32_t* gw = device_random_words();
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
@@ -103,9 +104,9 @@ void report(Kernel kernel, int smem, int nwg, int n, const char* name, int units
   cudaFree(cycles);
   cudaFree(sink);
   std::sort(c.begin(), c.end());
-  const double ideal = nwg * static_cast<double>(units) * 64.0 * n * 64 / 2048.0;
+  const double ideal = nwg * static_cast<double>(units) * 64.0 * n * 64 / macs_per_cycle;
   const double med = static_cast<double>(c[c.size() / 2]);
-  std::printf("%-34s N=%3d WG=%d  cycles/unit/WG %7.1f  tensor util %5.1f %%  (min %5.1f max %5.1f)\n",
+  std::printf("%-44s N=%3d WG=%d  cycles/unit/WG %7.1f  tensor util %5.1f %%  (min %5.1f max %5.1f)\n",
               name, n, nwg, med / units, 100.0 * ideal / med, 100.0 * ideal / c.back(),
               100.0 * ideal / c.front());
 }

@@ -232,6 +232,11 @@ __device__ __forceinline__ uint4 ld_shared_v4_at(uint32_t addr) {
                : "r"(addr));
   return v;
 }
+__device__ __forceinline__ uint2 ld_shared_v2_at(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
 __device__ __forceinline__ uint32_t ld_shared_u32_at(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
