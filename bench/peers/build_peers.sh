@@ -3,6 +3,8 @@
 # issue-34 peers against the image's torch under /tmp/megamoe_peers_build and prints one line per
 # peer, "<peer>: built ..." or "<peer>: FAILED ...: <exact error>". compare.py's adapters find them
 # there (peer_deepgemm.py DG_MEGA_ROOT, peer_flashinfer.py FI_ROOT); a peer not built reports why.
+# marlin-mxfp4 has nothing to build here (its library is built on the development machine by
+# build_marlin.sh and carried): its line says whether the carried .so loads and sees the GPU.
 #   env: FI_BUILD_TIMEOUT (s, default 420), DG_BUILD_TIMEOUT (s, default 420), SKIP_FI=1, SKIP_DG=1
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -60,6 +62,30 @@ print('module fused_moe_90 built', flush=True)
   else
     echo "flashinfer-sm90-mxfp4: FAILED: $carry/flashinfer-sm90-moe.tar.xz not carried (bench/peers/prepare_sources.sh)" > "$root/flashinfer.line"
   fi
+fi
+# Marlin: load the carried library through peer_marlin.py's loader and query the device through it.
+so=$carry/marlin/libmegamoe_marlin_peer.so
+if [ ! -f "$so" ]; then
+  echo "marlin-mxfp4: FAILED: $so not carried (bench/peers/prepare_marlin.sh + build_marlin.sh)" > "$root/marlin.line"
+else
+  line=$(MARLIN_PEER_SO=$so python3 - <<'PY' 2>&1 | tail -1
+import sys
+sys.path.insert(0, 'bench/peers')
+import peer_marlin as pm
+try:
+    lib = pm.load_library()
+    ws = lib.mmp_moe_workspace_ints()
+    if ws <= 0:
+        raise RuntimeError('the library sees no CUDA device (workspace size %d)' % ws)
+    print('ok', lib.mmp_build_info().decode(), '| locks', ws)
+except Exception as exc:
+    print('error', f'{type(exc).__name__}: {exc}'[:400])
+PY
+)
+  case "$line" in
+    ok*) echo "marlin-mxfp4: ready ($so, ${line#ok })" > "$root/marlin.line" ;;
+    *) echo "marlin-mxfp4: FAILED: ${line#error }" > "$root/marlin.line" ;;
+  esac
 fi
 wait
 echo "build_peers: $(( $(date +%s) - t0 )) s"

@@ -7,7 +7,11 @@
   - reference.py against megamoe's CPU reference, bit for bit, where `import megamoe` works;
   - the DeepGEMM chain's dispatch / padding / combine glue (masked and contiguous layouts), with the
     two DeepGEMM GEMMs replaced by a torch model of their documented semantics, so an indexing
-    mistake in the glue fails here rather than on the GPU.
+    mistake in the glue fails here rather than on the GPU;
+  - the Marlin MoE peer's torch side (peer_marlin.py): the scale permutation, the GPTQ packing fed to
+    the repack kernel, moe_align_block_size's layout (against a loop and vLLM's documented example),
+    the block-size rule, the whole chain with the Marlin GEMM replaced by a torch model of its
+    semantics, and, where the library is built, its C entry points' argument checks (no GPU needed).
 
     python3 bench/peers/selftest.py      # exits non-zero on the first failed check
 """
@@ -129,6 +133,118 @@ def test_deepgemm_glue():
               f'deepgemm glue ({peer.layout_for(t)}, T={t}) vs FP64 ideal diff {c["diff"]:.2e}')
 
 
+def _marlin_scales_vllm_form(sf: torch.Tensor) -> torch.Tensor:
+    """vLLM's steps as vLLM writes them (per expert: s.T, marlin_permute_scales, then
+    mxfp4_marlin_process_scales), on any dtype, for comparison with the batched version."""
+    perm = [i + 8 * j for i in range(8) for j in range(8)]
+    out = []
+    for e in range(sf.shape[0]):
+        s = sf[e].T
+        n = s.shape[1]
+        s = s.reshape((-1, len(perm)))[:, perm].reshape((-1, n)).contiguous()
+        s = s.reshape(-1, 4)[:, [0, 2, 1, 3]].reshape(s.shape[0], -1)
+        out.append(s)
+    return torch.stack(out)
+
+
+def _align_by_loop(topk_idx: torch.Tensor, block: int, num_experts: int):
+    flat = topk_idx.flatten().tolist()
+    ids, experts = [], []
+    for e in range(num_experts):
+        slots = [s for s, x in enumerate(flat) if x == e]
+        if not slots:
+            continue
+        pad = -len(slots) % block
+        ids += slots + [len(flat)] * pad
+        experts += [e] * ((len(slots) + pad) // block)
+    return ids, experts
+
+
+def _fake_marlin_gemm(dequant: dict):
+    """Torch model of moe_wna16_marlin_gemm (vLLM's kernel semantics): for each moe block below
+    num_tokens_post_padded, rows r = sorted_token_ids of the block with r < size_m * top_k:
+    C[r] = A[r // top_k] @ W[expert]^T (x topk_weights[r], BF16, if mul_topk_weights)."""
+    def gemm(a, c, c_tmp, w, s, routing, block, top_k, mul_topk, size_m, size_n, size_k, topk_w):
+        sorted_ids, expert_ids, num_post = routing
+        wt = dequant[w]
+        for b in range(int(num_post[0]) // block):
+            rows = sorted_ids[b * block:(b + 1) * block].long()
+            rows = rows[rows < size_m * top_k]
+            acc = a[rows // top_k].float() @ wt[int(expert_ids[b])].float().T
+            out = acc.to(torch.bfloat16)
+            if mul_topk:
+                out = out * topk_w.flatten()[rows].to(torch.bfloat16).unsqueeze(1)
+            c[rows] = out
+    return gemm
+
+
+def test_marlin_glue():
+    import peer_marlin as pm
+    gen = torch.Generator().manual_seed(11)
+    # scales: a permutation of each expert's bytes, equal to vLLM's per-expert form
+    sf = torch.randint(0, 1 << 30, (3, 128, 256 // 32), generator=gen, dtype=torch.int64)
+    mine = pm.marlin_mxfp4_scales(sf)
+    check(mine.shape == (3, 8, 128) and torch.equal(mine.flatten(1).sort(1).values, sf.flatten(1).sort(1).values),
+          'marlin scales: a permutation of each expert\'s scale bytes, [E, K/32, N]')
+    check(torch.equal(mine, _marlin_scales_vllm_form(sf)), 'marlin scales: equal to vLLM\'s per-expert steps')
+    # GPTQ packing: code k of row n at bits 4 (k % 8) of word [k / 8, n]
+    codes = torch.randint(0, 256, (2, 64, 48), generator=gen, dtype=torch.uint8)
+    words = pm.gptq_pack_for_repack(codes)
+    nib = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], dim=2)       # [E, K/8, 8, N]
+    vals = nib.flatten(1, 2).transpose(1, 2)                                       # [E, N, K]
+    ref = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).to(vals.dtype)
+    check(words.shape == (2, 12, 64) and torch.equal(vals, ref), 'marlin GPTQ packing: [E, K/8, N] int32, low nibble first')
+    # moe_align_block_size layout: vLLM's docstring example (block 4), then random routings
+    idx = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]], dtype=torch.int32)
+    ids, experts, npost = pm.align_block_size(idx, 4, 5)
+    check(ids[:16].tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12] and int(npost) == 16
+          and experts[:4].tolist() == [1, 2, 3, 4], 'marlin align: vLLM\'s documented example')
+    ok = True
+    for t, e, k, block in ((1, 8, 3, 8), (3, 32, 4, 16), (17, 8, 3, 48), (200, 32, 4, 64), (64, 256, 8, 8)):
+        topk_idx, _ = common.uniform_routing(t, e, k, gen, 'cpu')
+        ids, experts, npost = pm.align_block_size(topk_idx, block, e)
+        want_ids, want_experts = _align_by_loop(topk_idx, block, e)
+        n = int(npost)
+        ok &= (n == len(want_ids) and ids[:n].tolist() == want_ids and ids.numel() == pm.sorted_len_for(t * k, e, block)
+               and bool((ids[n:] == t * k).all()) and experts[:n // block].tolist() == want_experts
+               and experts.numel() == -(-ids.numel() // block))
+    check(ok, 'marlin align: sorted ids, expert ids, padded count equal a loop over experts (5 routings)')
+    check([pm.block_size_for(t, 8, 256) for t in (1, 8, 64, 512, 4096, 8192)] == [8, 8, 8, 32, 64, 64]
+          and pm.block_size_for(64, 16, 112) == 16, 'marlin block size: vLLM fused_marlin_moe\'s rule')
+    # the whole chain with the GEMM modelled
+    for act in ('swiglu', 'situ'):
+        shape = small_shape(act)
+        w = common.synthetic_weights(shape, 5, 'cpu')
+        peer = pm.MarlinMxfp4W4A16.__new__(pm.MarlinMxfp4W4A16)
+        peer.shape, peer.num_experts = shape, w.num_experts
+        peer.lib = types.SimpleNamespace(mmp_moe_c_tmp_floats=lambda *a: 1)
+        peer.w13, peer.w2, peer.s13, peer.s2 = 'w13', 'w2', None, None
+        w13, w2 = common.dequant_weights(w, torch.bfloat16)
+        peer._gemm = _fake_marlin_gemm({'w13': w13, 'w2': w2})
+        for t in (1, 6, 70):
+            inp = common.make_inputs(shape, t, 40 + t, 'cpu')
+            y = peer.build(inp)()
+            ideal = reference.ideal_forward(shape, w, inp.x, inp.topk_idx, inp.topk_weights)
+            c = common.compare(y, ideal, inp.topk_idx)
+            check(not c['nan'] and c['diff'] < 1e-4,
+                  f'marlin glue ({act}, {peer.layout_for(t)}, T={t}) vs FP64 ideal diff {c["diff"]:.2e}')
+    # the library's C entry points (argument checks run before any CUDA call)
+    if not os.path.isfile(pm.LIB_PATH):
+        print(f'skip marlin library checks: {pm.LIB_PATH} not built (prepare_marlin.sh, build_marlin.sh)')
+        return
+    lib = pm.load_library()
+    def err(bs, n, k):
+        rc = lib.mmp_moe_mxfp4_gemm(None, None, None, 0, None, None, None, None, 64, None, None, None, None, 0,
+                                    bs, 8, 2, 1, 4, n, k, 1, -1, -1, -1, None)
+        return rc, lib.mmp_last_error().decode()
+    r = [err(12, 128, 64), err(16, 128, 33), err(16, 100, 64)]
+    check(all(rc == 1 for rc, _ in r) and 'moe_block_size=12' in r[0][1] and 'size_k = 33' in r[1][1]
+          and 'size_n = 100' in r[2][1], 'marlin library: C entry point reports bad block size / K / N by name')
+    check(lib.mmp_gptq_repack_4bit(None, None, 1, 64, 65, None) == 1 and 'size_n = 65' in lib.mmp_last_error().decode(),
+          'marlin library: repack entry point checks N')
+    print('marlin library:', lib.mmp_build_info().decode())
+
+
 def test_against_megamoe_cpu_reference():
     """reference.py must equal megamoe's CPU reference bit for bit (fast_math = false), when the
     megamoe Python package is importable (PYTHONPATH=<build>/python)."""
@@ -179,6 +295,7 @@ def main() -> int:
     test_quantizers()
     test_reference_and_torch_chain()
     test_deepgemm_glue()
+    test_marlin_glue()
     test_against_megamoe_cpu_reference()
     test_megamoe_adapter_on_cpu()
     print(f'{len(FAILURES)} failed' if FAILURES else 'all passed')
