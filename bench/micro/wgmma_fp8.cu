@@ -18,7 +18,10 @@
 //           total += acc * token_scale (FFMA per accumulator, the scale of each token column from
 //           shared memory): per-128 activation scales;
 //   PROMO 2 per 32 of K (each wgmma): the same after every k32 step: the contract's per-32
-//           activation scales kept as they are.
+//           activation scales kept as they are;
+//   PROMO 3 per 128 of K with two accumulator sets: group g's wgmmas go to set g % 2 while the
+//           FFMAs promote set (g - 1) % 2 (the promotion overlaps the warpgroup's own wgmmas,
+//           N / 2 more registers).
 //
 // Tensor util = ideal / measured cycles, ideal = MACs / 4096 per SM cycle (dense FP8). Build:
 // the CMake target megamoe_micro_wgmma_fp8, or
@@ -69,10 +72,14 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
   const uint32_t desc_b = ptx::smem_desc_k128b_lo(b_tile);
   const uint32_t tab_base = ptx::smem_addr(tables);
   const float* tsc = token_scales + 2 * (t % 4);
-  float acc[N / 2];
+  constexpr int kAccSets = PROMO == 3 ? 2 : 1;
+  float accs[kAccSets][N / 2];
+  float* acc = accs[0];
   float tot[PROMO ? N / 2 : 1];
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  for (int a = 0; a < kAccSets; ++a)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) accs[a][i] = 0.f;
 #pragma unroll
   for (int i = 0; i < (PROMO ? N / 2 : 1); ++i) tot[i] = 0.f;
   uint32_t fr[2][2][4];  // [set][k32 step][register]
@@ -137,11 +144,12 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
     }
   };
   // k32 step s of unit u: 32 bytes (2 descriptor units) into the 128-byte rows, 64 per unit.
-  auto issue = [&](int set, int u, int s, uint32_t scale_d) {
+  auto issue_to = [&](float* d, int set, int u, int s, uint32_t scale_d) {
     ptx::WgmmaE4m3RS<N>::template mma_lo<ptx::kSmemDescK128bHi>(
-        acc, fr[set][s], desc_b + static_cast<uint32_t>(4 * (u & 1) + 2 * s), scale_d);
+        d, fr[set][s], desc_b + static_cast<uint32_t>(4 * (u & 1) + 2 * s), scale_d);
   };
-  auto promote = [&](int group) {
+  auto issue = [&](int set, int u, int s, uint32_t scale_d) { issue_to(acc, set, u, s, scale_d); };
+  auto promote_from = [&](const float* acc, int group) {
     if constexpr (PROMO != 0) {
       const float* g = tsc + (group & 3) * N;
 #pragma unroll
@@ -153,6 +161,19 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
         tot[4 * p + 3] = fmaf(acc[4 * p + 3], s2.y, tot[4 * p + 3]);
       }
     }
+  };
+  auto promote = [&](int group) { promote_from(acc, group); };
+  // PROMO 3: unit u of a group on accumulator set a; the group's first unit also promotes the
+  // other set (the previous group's finished sums) while its own wgmmas run.
+  auto unit_db = [&](int set, int u, float* mine, const float* other) {
+    ptx::wgmma_fence();
+    const uint32_t first = (u & 1) == 0 ? 0u : 1u;
+    issue_to(mine, set, u, 0, first);
+    issue_to(mine, set, u, 1, 1u);
+    ptx::wgmma_commit();
+    if ((u & 1) == 0) promote_from(other, u / 2 + 1);
+    produce(set ^ 1, (u + 1) & 1);
+    ptx::wgmma_wait<0>();
   };
   // One unit (a 64 x 64 block: two k32 wgmmas) on register set `set`, the next unit's registers
   // produced into the other set while they run.
@@ -183,15 +204,25 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
   produce(0, 0);
   asm volatile("bar.sync %0, %1;" ::"r"(1 + wg), "r"(128));
   const long long t0 = clock64();
+  if constexpr (PROMO == 3) {
 #pragma unroll 1
-  for (int u = 0; u < micro::kUnits; u += 2) {
-    unit(0, u);
-    unit(1, u + 1);
+    for (int u = 0; u < micro::kUnits; u += 4) {
+      unit_db(0, u, accs[0], accs[kAccSets - 1]);
+      unit_db(1, u + 1, accs[0], accs[kAccSets - 1]);
+      unit_db(0, u + 2, accs[kAccSets - 1], accs[0]);
+      unit_db(1, u + 3, accs[kAccSets - 1], accs[0]);
+    }
+  } else {
+#pragma unroll 1
+    for (int u = 0; u < micro::kUnits; u += 2) {
+      unit(0, u);
+      unit(1, u + 1);
+    }
   }
   const long long t1 = clock64();
   float s = 0.f;
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) s += acc[i];
+  for (int i = 0; i < N / 2; ++i) s += accs[0][i] + accs[kAccSets - 1][i];
 #pragma unroll
   for (int i = 0; i < (PROMO ? N / 2 : 1); ++i) s += tot[i];
   uint32_t x = 0;
@@ -208,7 +239,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
 template <int N, int CONV, int PROMO>
 void run() {
   static const char* conv[] = {"no ALU", "f16+cvt (sm90 layout)", "prmt table (new layout)"};
-  static const char* promo[] = {"no promotion", "promote/128", "promote/32"};
+  static const char* promo[] = {"no promotion", "promote/128", "promote/32", "promote/128 2 acc"};
   char label[96];
   std::snprintf(label, sizeof label, "e4m3 %s, %s", conv[CONV], promo[PROMO]);
   const int smem = micro::b_tile_bytes(N) + micro::word_bytes(NWG) + 512 * 4 + 4 * N * 4;
@@ -217,7 +248,16 @@ void run() {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1) {  // the double-buffered promotion only
+    for (int rep = 0; rep < 2; ++rep) {
+      run<96, 0, 1>(); run<96, 0, 3>(); run<96, 1, 3>(); run<96, 2, 3>();
+      run<128, 0, 3>(); run<128, 1, 3>(); run<128, 2, 3>();
+      run<160, 0, 3>(); run<160, 1, 3>(); run<160, 2, 3>();
+      run<160, 0, 1>(); run<160, 1, 1>(); run<160, 2, 1>();
+    }
+    return 0;
+  }
   for (int rep = 0; rep < 2; ++rep) {
     run<128, 0, 0>(); run<128, 1, 0>(); run<128, 2, 0>();
     run<128, 0, 1>(); run<128, 1, 1>(); run<128, 2, 1>();
