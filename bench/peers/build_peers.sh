@@ -62,6 +62,8 @@ print('module fused_moe_90 built', flush=True)
   else
     echo "flashinfer-sm90-mxfp4: FAILED: $carry/flashinfer-sm90-moe.tar.xz not carried (bench/peers/prepare_sources.sh)" > "$root/flashinfer.line"
   fi
+else
+  echo "flashinfer-sm90-mxfp4: not built (SKIP_FI=1): its SM90 fused-MoE JIT module (247 objects) does not build within one device call (bench/results/build_peers_bd7f5ec.log)" > "$root/flashinfer.line"
 fi
 # Marlin: load the carried library through peer_marlin.py's loader and query the device through it.
 so=$carry/marlin/libmegamoe_marlin_peer.so
