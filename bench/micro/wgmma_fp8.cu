@@ -19,6 +19,9 @@
 //           shared memory): per-128 activation scales;
 //   PROMO 2 per 32 of K (each wgmma): the same after every k32 step: the contract's per-32
 //           activation scales kept as they are;
+//   PROMO 4 per 512 of K (eight blocks), total += acc (FADD): one scale per token row, promotion
+//           only for the accumulator's precision;
+//   PROMO 5 per 128 of K, FADD (the same with one scale per token row);
 //   PROMO 3 per 128 of K with two accumulator sets: group g's wgmmas go to set g % 2 while the
 //           FFMAs promote set (g - 1) % 2 (the promotion overlaps the warpgroup's own wgmmas,
 //           N / 2 more registers).
@@ -162,7 +165,14 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
       }
     }
   };
-  auto promote = [&](int group) { promote_from(acc, group); };
+  auto promote = [&](int group) {
+    if constexpr (PROMO == 4 || PROMO == 5) {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) tot[i] += acc[i];
+    } else {
+      promote_from(acc, group);
+    }
+  };
   // PROMO 3: unit u of a group on accumulator set a; the group's first unit also promotes the
   // other set (the previous group's finished sums) while its own wgmmas run.
   auto unit_db = [&](int set, int u, float* mine, const float* other) {
@@ -191,14 +201,16 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
       ptx::wgmma_wait<0>();
       promote(2 * u + 1);
     } else {
+      // Units per promotion group: 2 (k128) or 8 (k512).
+      constexpr int kGroup = PROMO == 4 ? 8 : 2;
       ptx::wgmma_fence();
-      const uint32_t first = PROMO == 1 && (u & 1) == 0 ? 0u : 1u;
+      const uint32_t first = PROMO != 0 && (u % kGroup) == 0 ? 0u : 1u;
       issue(set, u, 0, first);
       issue(set, u, 1, 1u);
       ptx::wgmma_commit();
       produce(set ^ 1, (u + 1) & 1);
       ptx::wgmma_wait<0>();
-      if (PROMO == 1 && (u & 1) == 1) promote(u / 2);
+      if (PROMO != 0 && (u % kGroup) == kGroup - 1) promote(u / kGroup);
     }
   };
   produce(0, 0);
@@ -239,7 +251,8 @@ __global__ void __launch_bounds__(128 * NWG, 1) kern(const uint32_t* gw, long lo
 template <int N, int CONV, int PROMO>
 void run() {
   static const char* conv[] = {"no ALU", "f16+cvt (sm90 layout)", "prmt table (new layout)"};
-  static const char* promo[] = {"no promotion", "promote/128", "promote/32", "promote/128 2 acc"};
+  static const char* promo[] = {"no promotion", "promote/128", "promote/32", "promote/128 2 acc",
+                                "FADD/512", "FADD/128"};
   char label[96];
   std::snprintf(label, sizeof label, "e4m3 %s, %s", conv[CONV], promo[PROMO]);
   const int smem = micro::b_tile_bytes(N) + micro::word_bytes(NWG) + 512 * 4 + 4 * N * 4;
@@ -249,6 +262,14 @@ void run() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && argv[1][0] == 'f') {  // one scale per token row: FADD promotion
+    for (int rep = 0; rep < 2; ++rep) {
+      run<128, 0, 4>(); run<128, 1, 4>(); run<128, 2, 4>(); run<128, 1, 5>();
+      run<192, 0, 4>(); run<192, 1, 4>(); run<192, 2, 4>(); run<192, 1, 5>(); run<192, 1, 0>();
+      run<256, 0, 4>(); run<256, 1, 4>(); run<256, 2, 4>();
+    }
+    return 0;
+  }
   if (argc > 1) {  // the double-buffered promotion only
     for (int rep = 0; rep < 2; ++rep) {
       run<96, 0, 1>(); run<96, 0, 3>(); run<96, 1, 3>(); run<96, 2, 3>();
