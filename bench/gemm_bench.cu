@@ -38,7 +38,10 @@ __global__ void fill_random_kernel(uint8_t* p, int64_t n, uint32_t seed, int mod
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
     h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-    p[i] = mode == 0 ? static_cast<uint8_t>(h) : static_cast<uint8_t>(118 + (h & 7));
+    // mode 0: any byte; 1: scale bytes 118..125; 2: E4M3 codes of magnitude below 2 (no NaN)
+    p[i] = mode == 0 ? static_cast<uint8_t>(h)
+           : mode == 1 ? static_cast<uint8_t>(118 + (h & 7))
+                       : static_cast<uint8_t>(h & 0xBF);
   }
 }
 __global__ void fill_bf16_kernel(uint16_t* p, int64_t n, uint32_t seed) {
@@ -173,10 +176,14 @@ static std::vector<std::string> env_name_list(const char* name) {
 }
 
 // MEGAMOE_BENCH_TILES="auto,prefill_256x128_k2_staged" restricts it to those tile requests ("auto"
-// with its four launch modes, "serial", or tile names; default: all).
-static bool bench_tile_selected(const sm90::TileRequest& tile) {
+// with its four launch modes, "auto_fp8" (the FP8 mode's policy), "serial", or tile names;
+// default: all).
+static bool bench_name_selected(const std::string& name) {
   static const std::vector<std::string> names = env_name_list("MEGAMOE_BENCH_TILES");
-  return names.empty() || std::find(names.begin(), names.end(), sm90::to_string(tile)) != names.end();
+  return names.empty() || std::find(names.begin(), names.end(), name) != names.end();
+}
+static bool bench_tile_selected(const sm90::TileRequest& tile) {
+  return bench_name_selected(sm90::to_string(tile));
 }
 
 // MEGAMOE_BENCH_ORDER=reverse times each point's rows last to first. Rows timed later in a call
@@ -206,6 +213,15 @@ TEST(Sm90GemmBench, Shapes) {
     Buffer hact((max_rows + sm90::kRowSlack) * s.I * 2, Device::cuda());
     fill_bf16_kernel<<<4096, 256>>>(x.as<uint16_t>(), x.size() / 2, 5);
     fill_bf16_kernel<<<4096, 256>>>(hact.as<uint16_t>(), hact.size() / 2, 6);
+    // FP8 mode inputs (the FP8 tiles): E4M3 rows, row factors 1, the weights' row exponents.
+    Buffer x8((max_rows + sm90::kRowSlack) * s.H, Device::cuda());
+    Buffer h8((max_rows + sm90::kRowSlack) * s.I, Device::cuda());
+    fill_random_kernel<<<4096, 256>>>(x8.as<uint8_t>(), x8.size(), 7, 2);
+    fill_random_kernel<<<4096, 256>>>(h8.as<uint8_t>(), h8.size(), 8, 2);
+    const Buffer ones = to_device(std::vector<float>(max_rows + sm90::kRowSlack, 1.0f));
+    Buffer w13_rx(s.E * 2 * s.I, Device::cuda()), w2_rx(s.E * s.H, Device::cuda());
+    sm90::weight_row_exponents(w13sf.as<uint8_t>(), int(s.E), 2 * s.I, s.H, w13_rx.as<uint8_t>(), nullptr);
+    sm90::weight_row_exponents(w2sf.as<uint8_t>(), int(s.E), s.H, s.I, w2_rx.as<uint8_t>(), nullptr);
     Buffer hq(max_rows * s.I, Device::cuda()), hsf(max_rows * s.I / 32, Device::cuda());
     Buffer hact_out((max_rows + sm90::kRowSlack) * s.I * 2, Device::cuda());
     Buffer out(max_rows * s.H * 2, Device::cuda());
@@ -293,16 +309,26 @@ TEST(Sm90GemmBench, Shapes) {
       if (bench_reverse_order()) std::reverse(runs.begin(), runs.end());
       // (The forced splits get a workspace for every tile of these launches; the layer's covers
       // only what the policy splits.)
+      if (T >= 512 && bench_name_selected("auto_fp8")) runs.push_back({sm90::TileRequest::automatic(), 0, 4});
       for (const auto& [tile, parts, mode] : runs)
       for (int which = 0; which < 2; ++which) {
         a1.tile = tile;
         a2.tile = tile;
+        // FP8 mode: the FP8 tiles forced, and the FP8 policy (mode 4, "auto fp8").
+        const bool fp8 = mode == 4 || (tile.mode == sm90::TileRequest::Mode::kForced &&
+                                       sm90::tile_config(tile.tile).fp8());
+        a1.act_fp8 = fp8 ? x8.as<uint8_t>() : nullptr;
+        a1.act_row_factor = fp8 ? ones.as<float>() : nullptr;
+        a1.w13_row_exp = fp8 ? w13_rx.as<uint8_t>() : nullptr;
+        a2.h_fp8 = fp8 ? h8.as<uint8_t>() : nullptr;
+        a2.h_row_factor = fp8 ? ones.as<float>() : nullptr;
+        a2.w2_row_exp = fp8 ? w2_rx.as<uint8_t>() : nullptr;
         a1.k_splits = parts;
         a2.k_splits = parts;
         a1.split_k = bench_split.ws;
         a2.split_k = bench_split.ws;
         if (mode == 1 || mode == 3) a1.split_k.unit_counter = a2.split_k.unit_counter = nullptr;
-        a1.programmatic = a2.programmatic = mode >= 2;
+        a1.programmatic = a2.programmatic = mode == 2 || mode == 3;
         auto launch = [&](int it, cudaStream_t st) {
           if (which == 0) { a1.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l1(a1, st); }
           else { a2.row_offsets = offs[it % kRot].as<int32_t>(); sm90::launch_l2(a2, st); }
@@ -339,7 +365,7 @@ TEST(Sm90GemmBench, Shapes) {
         const double k_red = which == 0 ? double(s.H) : double(s.I);
         const double wbytes = active_avg * n_rows * k_red * (0.5 + 1.0 / 32);
         const double flops = 2.0 * rows * n_rows * k_red;
-        static const char* const kModeLabel[] = {"", " static", " pdl", " static pdl"};
+        static const char* const kModeLabel[] = {"", " static", " pdl", " static pdl", " fp8"};
         const std::string split_label =
             (parts > 0 ? " split=" + std::to_string(parts) : "") + kModeLabel[mode];
 #if MEGAMOE_DIAG_TIMELINE

@@ -50,6 +50,16 @@ constexpr int kColAlign = 64;                                   // K % 64 == 0
 static_assert(kThreadsPerBlock * kThreadBytes == kBlockBytes, "one 16-byte load per thread");
 static_assert(kBlockK == 2 * kScaleBlock, "a block spans two scale groups (j = 0, 1)");
 
+// FP8 mode: where column k (0..31) of a 32-group of a token row is stored in the E4M3 rows the
+// FP8 tiles read (the slot of the wgmma k32 step). The weights' A registers come from the BF16
+// fragment layout above, in which thread t holds columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of each
+// 16 (sm90_gemm_mainloop.cuh, load_convert_block_fp8); the k32 A fragment gives it slots
+// 4 t .. 4 t + 3, so slot 4 t + b holds column 2 t + (b & 1) + 8 (b >> 1) (and + 16). Both operands
+// are permuted alike, so the products pair up as in the unpermuted GEMM.
+MEGAMOE_HD int fp8_row_slot(int k) {
+  return (k & 16) | (((k & 7) >> 1) << 2) | (((k >> 3) & 1) << 1) | (k & 1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Row permutation of L1 (gate/up interleave) and its inverse. I = intermediate.
 // ---------------------------------------------------------------------------------------------

@@ -278,4 +278,26 @@ __device__ __forceinline__ uint32_t mul_bf16x2_by_half(uint32_t a, uint32_t b) {
   return d;
 }
 
+// f16x2 a * (b's low or high half, in both halves): one HMUL2 with a half selector.
+template <bool kHigh>
+__device__ __forceinline__ uint32_t mul_f16x2_by_half(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (kHigh) {
+    asm("{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {hi, hi};\n"
+        " mul.rn.f16x2 %0, %1, bb;\n}" : "=r"(d) : "r"(a), "r"(b));
+  } else {
+    asm("{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {lo, lo};\n"
+        " mul.rn.f16x2 %0, %1, bb;\n}" : "=r"(d) : "r"(a), "r"(b));
+  }
+  return d;
+}
+
+// Two FP16 values (low half first) to two E4M3 bytes in the low 16 bits, round to nearest even,
+// saturating to +-448.
+__device__ __forceinline__ uint32_t cvt_e4m3x2_f16x2(uint32_t f16x2) {
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(d) : "r"(f16x2));
+  return d;
+}
+
 }  // namespace megamoe::ptx

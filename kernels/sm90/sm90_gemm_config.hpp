@@ -41,6 +41,12 @@ struct GemmParams {
   uint16_t* h_act = nullptr;             // [max_rows, I]
   // L2 epilogue
   uint16_t* out = nullptr;               // [max_rows, H]
+  // FP8 mode (the E4M3 tiles, TileConfig::fp8): the B rows are E4M3 [rows, k] rebased to one
+  // power of two per row, their K order permuted within each 32-group (sm90_layout
+  // fp8_row_slot); the accumulator of (weight row m, token row r) is multiplied by
+  // 2^(w_row_exp[e, m] - 128) * b_row_factor[r] before the epilogue.
+  const uint8_t* w_row_exp = nullptr;    // [E_l, m_rows]: each prepared row's largest scale byte
+  const float* b_row_factor = nullptr;   // [max_rows]
   // Split-K (one-math-warpgroup tiles only; GemmConfig::kSupportsSplitK): each tile's K loop
   // is cut into k_splits parts run as separate work units. Every unit stores its FP32
   // accumulators to split_partials; the tile's last unit to arrive (split_counters, zero before
@@ -98,6 +104,7 @@ struct GemmConfig {
   static constexpr TileConfig kTile = tile_config(kId);
 
   static constexpr bool kOverlapConvert = kTile.mainloop == MainloopKind::kOverlap;
+  static constexpr bool kFp8 = kTile.fp8();
   static constexpr bool kWarpMma = kTile.mma == MmaKind::kWarp;
   static constexpr bool kAsyncEpilogue = kTile.epilogue == EpilogueKind::kAsync;
   static constexpr bool kStagedEpilogue = kTile.epilogue != EpilogueKind::kRegisters;
@@ -145,11 +152,14 @@ struct GemmConfig {
   static constexpr int kMathRegs =
       (kLaunchRegs + kEpilogueWG * (kLaunchRegs - kProducerRegs) / kNumMathWG) / 8 * 8;
 
-  // Shared memory per stage: B as kKBlocksPerStage boxes of [BLOCK_N rows][64 bf16] (128B-swizzled,
-  // kSmemBBoxBytes each); A and SF per weight block m, k-block j of the stage at
-  // (m * kKBlocksPerStage + j) x the block size (the order of the global layout).
-  static constexpr int kSmemBBoxBytes = kBlockN * kBlockK * 2;
-  static constexpr int kSmemBBytes = kSmemBBoxBytes * kKBlocksPerStage;
+  // Shared memory per stage: B as boxes of [BLOCK_N rows][128 bytes] (128B-swizzled,
+  // kSmemBBoxBytes each): one box of 64 BF16 per k-block, or of 128 E4M3 per two k-blocks (FP8
+  // mode); A and SF per weight block m, k-block j of the stage at (m * kKBlocksPerStage + j) x
+  // the block size (the order of the global layout).
+  static constexpr int kBoxK = kFp8 ? 2 * kBlockK : kBlockK;  // elements of K per box row
+  static constexpr int kBoxesPerStage = kFp8 ? kKBlocksPerStage / 2 : kKBlocksPerStage;
+  static constexpr int kSmemBBoxBytes = kBlockN * 128;
+  static constexpr int kSmemBBytes = kSmemBBoxBytes * kBoxesPerStage;
   static constexpr int kSmemABytes = kMBlocksPerCta * sm90_layout::kBlockBytes * kKBlocksPerStage;
   static constexpr int kSmemSfBytes = kMBlocksPerCta * sm90_layout::kSfBlockBytes * kKBlocksPerStage;
 
@@ -186,6 +196,9 @@ struct GemmConfig {
   }
 
   static_assert(kBlockN % 8 == 0 && kBlockN <= 256, "wgmma N is a multiple of 8, at most 256");
+  static_assert(!kFp8 || (kKBlocksPerStage % 2 == 0 && kOverlapConvert && !kWarpMma &&
+                          !kTile.split_k),
+                "FP8 tiles: overlapped wgmma tiles, two k-blocks per TMA box, unsplit");
   static_assert(kBlockN % kNStep == 0 && kNStep % 8 == 0, "N steps must tile BLOCK_N");
   static_assert(kSmemBBytes % 1024 == 0, "each B stage must stay 1024-aligned (128B swizzle)");
   static_assert(kOffStage % 16 == 0, "staging rows are read 16 bytes at a time");

@@ -23,6 +23,7 @@
 #include "layout/sm90_weight_layout.hpp"
 #include "ptx/sm90_ptx.cuh"
 #include "ptx/sm90_wgmma_bf16_rs.cuh"
+#include "ptx/sm90_wgmma_e4m3_rs.cuh"
 #include "sm90/sm90_diag.hpp"
 
 namespace megamoe::sm90 {
@@ -47,8 +48,16 @@ template <class Cfg>
 struct Mainloop {
   static constexpr int kMBlocksPerWG = Cfg::kMBlocksPerWG;
   static constexpr int kSteps = sm90_layout::kStepsPerBlock;
-  using BlockFrags = uint32_t[kSteps][4];  // one 64-row block's A fragments for one stage
+  static constexpr bool kFp8 = Cfg::kFp8;
+  // The wgmmas of one 64 x 64 weight block: four k16 steps (BF16) or two k32 steps (FP8 mode).
+  static constexpr int kUnitSteps = kFp8 ? 2 : kSteps;
+  using BlockFrags = uint32_t[kUnitSteps][4];  // one 64-row block's A fragments for one unit
   using Frags = uint32_t[kMBlocksPerWG][kSteps][4];
+  // FP8 mode: the largest scale byte of this thread's two rows (g, g + 8) of each of its weight
+  // blocks in the current tile (GemmParams::w_row_exp; unused in exact mode).
+  struct RowExps {
+    int v[kMBlocksPerWG][2];
+  };
 
   // Runs the K loop of one tile with N = kN token rows (the wgmma N, or kN / 8 mma.sync n8
   // chunks). acc[sub] receives the m64 x kN accumulators (the same layout either way).
@@ -58,13 +67,14 @@ struct Mainloop {
                                              uint8_t* smem_b, const uint8_t* smem_a,
                                              const uint8_t* smem_sf, uint64_t* full_bars,
                                              uint64_t* empty_bars, int num_k_blocks, int wg,
-                                             int tid, int& stage, uint32_t& phase) {
+                                             int tid, int& stage, uint32_t& phase,
+                                             const RowExps& rx) {
     if constexpr (Cfg::kWarpMma) {
       run_warp<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg, tid,
                    stage, phase);
     } else if constexpr (Cfg::kOverlapConvert) {
       run_overlapped<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg,
-                         tid, stage, phase);
+                         tid, stage, phase, rx);
     } else {
       run_serial<kN>(acc, smem_b, smem_a, smem_sf, full_bars, empty_bars, num_k_blocks, wg, tid,
                      stage, phase);
@@ -215,6 +225,64 @@ struct Mainloop {
     }
   }
 
+  // FP8 mode: this thread's E4M3 A registers of one 64 x 64 weight block, two k32 steps.
+  // Each value becomes E2M1 x 2^(s - s_max + 1), s its group's scale byte and s_max the largest of
+  // its row (GemmParams::w_row_exp; the epilogue multiplies by 2^(s_max - 128)): exact for groups
+  // within 9 binades of the row's largest (the top group reaches 6 x 2 = 12), rounded to nearest
+  // below that (E4M3 subnormals, then zero).
+  //   decode_word_bits gives each BF16-layout register with sign at bit 15 and e1 e0 m at bits
+  //   8..6 (per half); moved to bits 11..9 they read as FP16 E2M1 x 2^-14 (codes 0 / 1 as FP16
+  //   subnormals); one HMUL2 by 2^(15 + s - s_max) (an FP16 power of two, exponent field
+  //   s - s_max + 30, clamped to >= 1: groups 29 binades down give E4M3 zero either way), then
+  //   cvt.rn.satfinite.e4m3x2.f16x2.
+  // Register order: word w (k16 step w of the BF16 layout, cols 16 w + 2 t + 8 (i >> 1) + e of
+  // register i) fills k32 step w / 2; its registers 0 / 2 (row g) make FP8 register 2 (w % 2) and
+  // 1 / 3 (row g + 8) FP8 register 2 (w % 2) + 1, so FP8 slot 4 t + b of a k32 step holds column
+  // 2 t + (b & 1) + 8 (b >> 1) (+ 16): the B rows are stored with that permutation of each
+  // 32-group (sm90_layout::fp8_row_slot).
+  __device__ __forceinline__ static void load_convert_block_fp8(uint32_t a_addr, uint32_t sf_addr,
+                                                                const int (&smax)[2],
+                                                                BlockFrags& frags) {
+    const uint4 wv = ptx::ld_shared_v4_at(a_addr);
+    const uint32_t sfw = ptx::ld_shared_u32_at(sf_addr);
+    // mult[h]: FP16x2 (2^(15 + s_j0 - s_max), 2^(15 + s_j1 - s_max)) of row half h (bytes 2 h + j).
+    uint32_t mult[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int e0 = max(static_cast<int>((sfw >> (16 * h)) & 0xFFu) - smax[h] + 30, 1);
+      const int e1 = max(static_cast<int>((sfw >> (16 * h + 8)) & 0xFFu) - smax[h] + 30, 1);
+      mult[h] = (static_cast<uint32_t>(e0) << 10) | (static_cast<uint32_t>(e1) << 26);
+    }
+    const uint32_t words[kSteps] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+    for (int w = 0; w < kSteps; ++w) {
+      uint32_t bits[4];
+      sm90_layout::decode_word_bits(words[w], bits);
+      uint32_t e8[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t f16 = (bits[i] | (bits[i] << 3)) & 0x8E008E00u;
+        const uint32_t scaled = w < 2 ? ptx::mul_f16x2_by_half<false>(f16, mult[i & 1])
+                                      : ptx::mul_f16x2_by_half<true>(f16, mult[i & 1]);
+        e8[i] = ptx::cvt_e4m3x2_f16x2(scaled);
+      }
+      frags[w / 2][2 * (w % 2)] = e8[0] | (e8[2] << 16);
+      frags[w / 2][2 * (w % 2) + 1] = e8[1] | (e8[3] << 16);
+    }
+  }
+
+  // One unit's A registers, exact or FP8 mode (block `sub` of the warpgroup for the row bytes).
+  // (sub: a compile-time index once the callers' loops are unrolled)
+  __device__ __forceinline__ static void load_convert_unit(uint32_t a_addr, uint32_t sf_addr,
+                                                           const RowExps& rx, int sub,
+                                                           BlockFrags& frags) {
+    if constexpr (kFp8) {
+      load_convert_block_fp8(a_addr, sf_addr, rx.v[sub], frags);
+    } else {
+      load_convert_block(a_addr, sf_addr, frags);
+    }
+  }
+
   // Software pipeline over units (stage, k-block j of the stage, weight block sub), in that
   // order: the wgmmas of unit u are issued, then the A fragments of unit u + 1 are converted
   // (waiting for the next stage's copies first when u + 1 starts a new stage) while they run,
@@ -266,7 +334,7 @@ struct Mainloop {
   __device__ __forceinline__ static void overlapped_stage(
       float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, ThreadAddrs addrs,
       uint64_t* full_bars, uint64_t* empty_bars, bool first_stage, bool has_next_stage, int stage,
-      uint32_t phase, BlockFrags (&frags)[2]) {
+      uint32_t phase, BlockFrags (&frags)[2], const RowExps& rx) {
     constexpr int kKSub = Cfg::kKBlocksPerStage;
     // k16 step s of k-block j starts 32 bytes further into each 128-byte swizzled row of box j
     // (descriptor units of 16 B). Descriptors and the scale-d flag are computed before the
@@ -283,11 +351,15 @@ struct Mainloop {
     for (int j = 0; j < kKSub; ++j) {
       // Low descriptor words (the start address field; the stage base is 1024-aligned, so the
       // additions never carry out of it); the high word is the constant kSmemDescK128bHi.
-      uint32_t desc[kSteps];
+      // FP8 mode: a box holds two k-blocks (64 bytes of each row apiece), k32 step s 32 bytes
+      // into the k-block's half.
+      uint32_t desc[kUnitSteps];
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-        desc[s] = desc_stage + static_cast<uint32_t>((j * Cfg::kSmemBBoxBytes +
-                                                       s * sm90_layout::kStepK * 2) / 16);
+      for (int s = 0; s < kUnitSteps; ++s) {
+        desc[s] = desc_stage +
+                  static_cast<uint32_t>(
+                      (kFp8 ? (j / 2) * Cfg::kSmemBBoxBytes + (j % 2) * 64 + s * 32
+                            : j * Cfg::kSmemBBoxBytes + s * sm90_layout::kStepK * 2) / 16);
       }
       const uint32_t scale_d0 = !first_stage || j != 0 ? 1u : 0u;
 #pragma unroll
@@ -300,26 +372,31 @@ struct Mainloop {
         // loop): 0.98-1.01x at T = 1, 8 and 64: the chain's latency is not what bounds them.
         ptx::wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-          ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
-              acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
+        for (int s = 0; s < kUnitSteps; ++s) {
+          if constexpr (kFp8) {
+            ptx::WgmmaE4m3RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
+                acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
+          } else {
+            ptx::WgmmaBf16RS<kN>::template mma_lo<ptx::kSmemDescK128bHi>(
+                acc[sub], frags[cur][s], desc[s], s == 0 ? scale_d0 : 1u);
+          }
         }
         ptx::wgmma_commit();
         if (sub + 1 < kMBlocksPerWG) {
-          load_convert_block(here.a + a_offset(sub + 1, j), here.sf + sf_offset(sub + 1, j),
-                             frags[nxt]);
+          load_convert_unit(here.a + a_offset(sub + 1, j), here.sf + sf_offset(sub + 1, j), rx,
+                            sub + 1, frags[nxt]);
         } else if (j + 1 < kKSub) {
-          load_convert_block(here.a + a_offset(0, j + 1), here.sf + sf_offset(0, j + 1),
-                             frags[nxt]);
+          load_convert_unit(here.a + a_offset(0, j + 1), here.sf + sf_offset(0, j + 1), rx, 0,
+                            frags[nxt]);
         } else if (has_next_stage) {  // uniform over the warpgroup
           ptx::mbar_wait(&full_bars[next_stage], next_phase);
           const ThreadAddrs next = at_stage(addrs, next_stage);
-          load_convert_block(next.a, next.sf, frags[nxt]);
+          load_convert_unit(next.a, next.sf, rx, 0, frags[nxt]);
         }
         ptx::wgmma_wait<0>();
         if constexpr (kCopySets) {
 #pragma unroll
-          for (int s = 0; s < kSteps; ++s) {
+          for (int s = 0; s < kUnitSteps; ++s) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) frags[0][s][r] = frags[1][s][r];
           }
@@ -338,7 +415,7 @@ struct Mainloop {
   __device__ __forceinline__ static void run_overlapped(
       float (&acc)[kMBlocksPerWG][Cfg::kBlockN / 2], uint8_t* smem_b, const uint8_t* smem_a,
       const uint8_t* smem_sf, uint64_t* full_bars, uint64_t* empty_bars, int num_k_blocks, int wg,
-      int tid, int& stage, uint32_t& phase) {
+      int tid, int& stage, uint32_t& phase, const RowExps& rx) {
     static_assert(kN % 8 == 0 && kN <= Cfg::kBlockN, "wgmma N");
     if constexpr (MEGAMOE_DIAG_MAINLOOP == 2) {
 #pragma unroll
@@ -358,7 +435,7 @@ struct Mainloop {
     BlockFrags frags[2];
     ptx::mbar_wait(&full_bars[stage], phase);
     const ThreadAddrs first = at_stage(addrs, stage);
-    load_convert_block(first.a, first.sf, frags[0]);
+    load_convert_unit(first.a, first.sf, rx, 0, frags[0]);
     auto advance = [&] {
       if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
     };
@@ -368,7 +445,7 @@ struct Mainloop {
       constexpr bool kCopy = decltype(copy_tag)::value;
       for (int ks = 0; ks < num_k_stages; ++ks) {
         overlapped_stage<kN, 0, kCopy>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0,
-                                       ks + 1 < num_k_stages, stage, phase, frags);
+                                       ks + 1 < num_k_stages, stage, phase, frags, rx);
         advance();
       }
     };
@@ -378,10 +455,10 @@ struct Mainloop {
       // Two stages per iteration: the second stage's units start on the odd set.
       for (int ks = 0; ks < num_k_stages; ks += 2) {
         overlapped_stage<kN, 0, false>(acc, smem_b, addrs, full_bars, empty_bars, ks == 0, true,
-                                       stage, phase, frags);
+                                       stage, phase, frags, rx);
         advance();
         overlapped_stage<kN, 1, false>(acc, smem_b, addrs, full_bars, empty_bars, false,
-                                       ks + 2 < num_k_stages, stage, phase, frags);
+                                       ks + 2 < num_k_stages, stage, phase, frags, rx);
         advance();
       }
     } else {

@@ -1,5 +1,7 @@
 // sm90_grouped_gemm_bf16_mxfp4.cuh: the Hopper grouped expert GEMM, BF16 activations x MXFP4
-// weights, FP32 accumulation on wgmma (exact mode of numerics.md section 8).
+// weights, FP32 accumulation on wgmma (exact mode of numerics.md section 8); with an FP8 tile
+// (TileConfig::fp8), E4M3 token rows x MXFP4 weights rebased to E4M3 per row (the FP8 mode,
+// docs/numerics.md), on the FP8 tensor cores.
 //
 //   D[n, r] = sum_k W_e[n, k] * X[r, k]   for the rows r of local expert e (row_offsets)
 //
@@ -144,6 +146,57 @@ __device__ __forceinline__ bool gate_passes(const GemmParams& p, const int32_t* 
   }
   const int64_t rows = s_offsets[p.num_experts] - s_offsets[0];
   return gate_admits(p, rows, hits);
+}
+
+// FP8 mode: the largest scale byte of this thread's rows g, g + 8 of each of its weight blocks in
+// `tile` (GemmParams::w_row_exp); blocks past the tile's last read none (their results are
+// never stored).
+template <class Cfg>
+__device__ __forceinline__ typename Mainloop<Cfg>::RowExps fp8_row_exps(
+    const GemmParams& p, const TileInfo& tile, const bool (&valid)[Cfg::kMBlocksPerWG], int wg,
+    int tid) {
+  typename Mainloop<Cfg>::RowExps rx{};
+  if constexpr (Cfg::kFp8) {
+    const int warp = tid / 32, g = (tid % 32) / 4;
+    const uint8_t* rows = p.w_row_exp + static_cast<int64_t>(tile.expert) * p.m_rows;
+#pragma unroll
+    for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+      const int row = (tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub) * sm90_layout::kBlockRows +
+                      16 * warp + g;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) rx.v[sub][h] = valid[sub] ? __ldg(rows + row + 8 * h) : 128;
+    }
+  }
+  return rx;
+}
+
+// FP8 mode: the accumulators of (weight row m, token row r) times 2^(s_max(m) - 128) *
+// b_row_factor[r], the two factors the operands were rebased by (columns past the tile's rows
+// read factors of the slack rows and are never stored).
+template <class Cfg>
+__device__ __forceinline__ void fp8_apply_row_factors(
+    const GemmParams& p, const TileInfo& tile, const typename Mainloop<Cfg>::RowExps& rx,
+    float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2], int tid) {
+  const int t = tid % 4;
+  float fw[Cfg::kMBlocksPerWG][2];
+#pragma unroll
+  for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) fw[sub][h] = ldexpf(1.0f, rx.v[sub][h] - 128);
+  }
+#pragma unroll
+  for (int c = 0; c < Cfg::kBlockN / 8; ++c) {
+    // (two loads: a tile's first row may be odd)
+    const float* f = p.b_row_factor + tile.row0 + 8 * c + 2 * t;
+    const float2 fb = make_float2(__ldg(f), __ldg(f + 1));
+#pragma unroll
+    for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+      acc[sub][4 * c + 0] *= fw[sub][0] * fb.x;
+      acc[sub][4 * c + 1] *= fw[sub][0] * fb.y;
+      acc[sub][4 * c + 2] *= fw[sub][1] * fb.x;
+      acc[sub][4 * c + 3] *= fw[sub][1] * fb.y;
+    }
+  }
 }
 
 template <class Cfg, GemmKind kKind>
@@ -329,9 +382,9 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
           copy_weights(tile, kb, stage);
         }
 #pragma unroll
-        for (int j = 0; j < kKSub; ++j) {
+        for (int j = 0; j < Cfg::kBoxesPerStage; ++j) {
           ptx::tma_load_2d(smem_b + stage * Cfg::kSmemBBytes + j * Cfg::kSmemBBoxBytes, &tmap_b,
-                           (kb + j) * Cfg::kBlockK, tile.row0, &full_bars[stage]);
+                           kb * Cfg::kBlockK + j * Cfg::kBoxK, tile.row0, &full_bars[stage]);
         }
         if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
       }
@@ -385,10 +438,13 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
         valid[sub] = wg * Cfg::kMBlocksPerWG + sub < tile.num_m_blocks;
       }
+      const typename ML::RowExps rx = fp8_row_exps<Cfg>(p, tile, valid, wg, tid);
       dispatch_n<Cfg::kNStep, Cfg::kBlockN>(tile.num_rows, [&](auto n_tag) {
         ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
-                                                  empty_bars, unit_k_blocks, wg, tid, stage, phase);
+                                                  empty_bars, unit_k_blocks, wg, tid, stage, phase,
+                                                  rx);
       });
+      if constexpr (Cfg::kFp8) fp8_apply_row_factors<Cfg>(p, tile, rx, acc, tid);
       if (wg == 0 && tid == 0 && u == static_cast<int>(blockIdx.x)) diag::stamp(diag::kFirstUnitDone);
       if constexpr (Cfg::kSupportsSplitK) {
         const int n_splits = live_splits();

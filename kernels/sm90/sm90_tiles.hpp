@@ -20,6 +20,12 @@ enum class MmaKind : uint8_t {
   kWgmma,    // wgmma m64nNk16, A from registers, one warpgroup per 64-row block
   kWarp,     // mma.sync m16n8k16 per warp (B fragments by ldmatrix): no warpgroup fences
 };
+// What the tensor cores multiply (docs/numerics.md: the exact mode and the FP8 mode).
+enum class OperandKind : uint8_t {
+  kBf16,  // exact mode: E2M1 x 2^s and E4M3 x 2^s carried exactly in BF16, wgmma m64nNk16
+  kE4m3,  // FP8 mode: each weight row's values rebased to one power of two per row and each
+          // token row's to one per row, both E4M3, wgmma m64nNk32; two k-blocks per TMA box
+};
 // How the tile's results leave the accumulators (kernels/sm90/sm90_gemm_epilogue.cuh).
 enum class EpilogueKind : uint8_t {
   kRegisters,  // straight from the accumulator registers
@@ -41,10 +47,14 @@ struct TileConfig {
   EpilogueKind epilogue;
   int epilogue_warpgroups;     // warpgroups beside the math ones that run the async epilogue
   bool split_k;                // takes GemmParams::k_splits (K cut into separate work units)
+  OperandKind operands;        // BF16 (exact mode) or E4M3 (FP8 mode)
 
   constexpr int block_m() const { return 64 * math_warpgroups * m_blocks_per_warpgroup; }
   constexpr int k_multiple() const { return 64 * k_blocks_per_stage; }
-  constexpr bool needs_small_scales() const { return mainloop == MainloopKind::kOverlap; }
+  constexpr bool needs_small_scales() const {
+    return mainloop == MainloopKind::kOverlap && operands == OperandKind::kBf16;
+  }
+  constexpr bool fp8() const { return operands == OperandKind::kE4m3; }
   // FP32 partials of one split-K work unit: the warpgroup's accumulators.
   constexpr int split_unit_floats() const { return m_blocks_per_warpgroup * (block_n / 2) * 128; }
 };
@@ -74,37 +84,44 @@ enum class TileId : uint8_t {
   kPrefill256x96K2Async2,
   kPrefill256x128K2Staged,
   kPrefill256x128K1Staged,
+  // FP8 mode (OperandKind::kE4m3), prefill.
+  kFp8Prefill128x192K2Async,
+  kFp8Prefill256x128K2Staged,
 };
-constexpr int kNumTiles = 18;
+constexpr int kNumTiles = 20;
 
 namespace tile_detail {
 constexpr MainloopKind S = MainloopKind::kSerial, O = MainloopKind::kOverlap;
 constexpr MmaKind G = MmaKind::kWgmma, W = MmaKind::kWarp;
 constexpr EpilogueKind R = EpilogueKind::kRegisters, St = EpilogueKind::kStaged,
                        A = EpilogueKind::kAsync;
+constexpr OperandKind B = OperandKind::kBf16, F = OperandKind::kE4m3;
 
 // One row per TileId, in its order. Columns: name, math warpgroups, m-blocks per warpgroup,
 // block_n, n_step, stages, CTAs per SM, k-blocks per stage, mainloop (Serial / Overlap), MMA
-// (wGmma / Warp), epilogue (Registers / STaged / Async), epilogue warpgroups, split-K.
+// (wGmma / Warp), epilogue (Registers / STaged / Async), epilogue warpgroups, split-K, operands
+// (Bf16 / Fp8 e4m3).
 inline constexpr TileConfig kTable[kNumTiles] = {
-    {"serial_64x8",                   1, 1,   8,  8, 10, 4, 1, S, G, R,  1, false},
-    {"serial_64x16",                  1, 1,  16,  8, 10, 4, 1, S, G, R,  1, false},
-    {"serial_256x128",                2, 2, 128, 16,  7, 1, 1, S, G, R,  1, false},
-    {"decode_64x16",                  1, 1,  16,  8, 10, 4, 1, O, G, R,  1, false},
-    {"decode_128x8_k4_warp",          1, 2,   8,  8,  2, 4, 4, O, W, R,  1, false},
-    {"decode_128x8_k2_warp",          1, 2,   8,  8,  4, 4, 2, O, W, R,  1, false},
-    {"decode_128x8_k1_warp",          1, 2,   8,  8,  8, 4, 1, O, W, R,  1, false},
-    {"decode_128x16_k2_3cta",         1, 2,  16,  8,  5, 3, 2, O, G, R,  1, false},
-    {"decode_128x16_k1_3cta",         1, 2,  16,  8, 10, 3, 1, O, G, R,  1, false},
-    {"decode_128x16_k2_warp",         1, 2,  16,  8,  3, 4, 2, O, W, R,  1, false},
-    {"decode_128x16_k1_warp",         1, 2,  16,  8,  7, 4, 1, O, W, R,  1, false},
-    {"decode_128x16_k2_warp_splitk",  1, 2,  16,  8,  3, 4, 2, O, W, R,  1, true},
-    {"decode_128x16_k1_warp_splitk",  1, 2,  16,  8,  7, 4, 1, O, W, R,  1, true},
-    {"prefill_128x192_async",         2, 1, 192,  8,  5, 1, 1, O, G, A,  1, false},
-    {"prefill_256x64_k2_async",       2, 2,  64, 16,  5, 1, 2, O, G, A,  1, false},
-    {"prefill_256x96_k2_async2",      2, 2,  96,  8,  3, 1, 2, O, G, A,  2, false},
-    {"prefill_256x128_k2_staged",     2, 2, 128, 16,  3, 1, 2, O, G, St, 1, false},
-    {"prefill_256x128_k1_staged",     2, 2, 128, 16,  7, 1, 1, O, G, St, 1, false},
+    {"serial_64x8",                   1, 1,   8,  8, 10, 4, 1, S, G, R,  1, false, B},
+    {"serial_64x16",                  1, 1,  16,  8, 10, 4, 1, S, G, R,  1, false, B},
+    {"serial_256x128",                2, 2, 128, 16,  7, 1, 1, S, G, R,  1, false, B},
+    {"decode_64x16",                  1, 1,  16,  8, 10, 4, 1, O, G, R,  1, false, B},
+    {"decode_128x8_k4_warp",          1, 2,   8,  8,  2, 4, 4, O, W, R,  1, false, B},
+    {"decode_128x8_k2_warp",          1, 2,   8,  8,  4, 4, 2, O, W, R,  1, false, B},
+    {"decode_128x8_k1_warp",          1, 2,   8,  8,  8, 4, 1, O, W, R,  1, false, B},
+    {"decode_128x16_k2_3cta",         1, 2,  16,  8,  5, 3, 2, O, G, R,  1, false, B},
+    {"decode_128x16_k1_3cta",         1, 2,  16,  8, 10, 3, 1, O, G, R,  1, false, B},
+    {"decode_128x16_k2_warp",         1, 2,  16,  8,  3, 4, 2, O, W, R,  1, false, B},
+    {"decode_128x16_k1_warp",         1, 2,  16,  8,  7, 4, 1, O, W, R,  1, false, B},
+    {"decode_128x16_k2_warp_splitk",  1, 2,  16,  8,  3, 4, 2, O, W, R,  1, true, B},
+    {"decode_128x16_k1_warp_splitk",  1, 2,  16,  8,  7, 4, 1, O, W, R,  1, true, B},
+    {"prefill_128x192_async",         2, 1, 192,  8,  5, 1, 1, O, G, A,  1, false, B},
+    {"prefill_256x64_k2_async",       2, 2,  64, 16,  5, 1, 2, O, G, A,  1, false, B},
+    {"prefill_256x96_k2_async2",      2, 2,  96,  8,  3, 1, 2, O, G, A,  2, false, B},
+    {"prefill_256x128_k2_staged",     2, 2, 128, 16,  3, 1, 2, O, G, St, 1, false, B},
+    {"prefill_256x128_k1_staged",     2, 2, 128, 16,  7, 1, 1, O, G, St, 1, false, B},
+    {"fp8_128x192_k2_async",          2, 1, 192,  8,  4, 1, 2, O, G, A,  1, false, F},
+    {"fp8_256x128_k2_staged",         2, 2, 128, 16,  5, 1, 2, O, G, St, 1, false, F},
 };
 }  // namespace tile_detail
 
@@ -153,7 +170,10 @@ constexpr bool table_is_consistent() {
     if (s.k_blocks_per_stage > t.k_blocks_per_stage ||
         (s.k_blocks_per_stage == t.k_blocks_per_stage && &s != &t) ||
         s.block_m() != t.block_m() || s.block_n != t.block_n ||
-        s.mainloop != t.mainloop || s.mma != t.mma || s.split_k != t.split_k) {
+        s.mainloop != t.mainloop || s.mma != t.mma || s.split_k != t.split_k ||
+        s.operands != t.operands || (t.fp8() && (t.k_blocks_per_stage % 2 != 0 ||
+                                                  t.mainloop != MainloopKind::kOverlap ||
+                                                  t.mma != MmaKind::kWgmma || t.split_k))) {
       return false;
     }
     for (int j = 0; j < i; ++j) {
@@ -164,7 +184,8 @@ constexpr bool table_is_consistent() {
 }
 }  // namespace tile_detail
 static_assert(tile_detail::table_is_consistent(),
-              "tile names are unique and every shallower sibling is the same tile with fewer k-blocks "
-              "per stage");
+              "tile names are unique, every shallower sibling is the same tile with fewer k-blocks "
+              "per stage, and the FP8 tiles are overlapped wgmma tiles with an even number of "
+              "k-blocks per stage (a TMA box of 128 E4M3 covers two)");
 
 }  // namespace megamoe::sm90

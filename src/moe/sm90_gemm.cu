@@ -35,15 +35,17 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 }  // namespace
 
-CUtensorMap make_rows_map(const uint16_t* base, int64_t rows, int64_t cols, int box_rows) {
+CUtensorMap make_rows_map(const void* base, int64_t rows, int64_t cols, int box_rows, bool fp8) {
   CUtensorMap map{};
+  const int64_t elem_bytes = fp8 ? 1 : 2;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(uint16_t)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(sm90_layout::kBlockK),
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * elem_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / elem_bytes),
                              static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult res = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(base), dims, strides, box,
+      &map, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+      const_cast<void*>(base), dims, strides, box,
       elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MEGAMOE_CHECK(res == CUDA_SUCCESS, ErrorCode::kCuda, "cuTensorMapEncodeTiled failed (error ",
@@ -54,7 +56,7 @@ CUtensorMap make_rows_map(const uint16_t* base, int64_t rows, int64_t cols, int 
 namespace {
 
 // ---- dispatch by tile: one launcher per (tile, kind), defined in the generated units ----
-using TileLauncher = void (*)(const GemmParams&, const uint16_t*, cudaStream_t);
+using TileLauncher = void (*)(const GemmParams&, const void*, cudaStream_t);
 template <size_t kI, GemmKind kKind>
 constexpr TileLauncher launcher_of() {
   constexpr TileId kId = static_cast<TileId>(kI);
@@ -88,7 +90,7 @@ TileId g_last_tile = TileId::kSerial64x8;  // the last tile launched (measuremen
 #endif
 
 template <GemmKind kKind>
-void run_tile(TileId tile, const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
+void run_tile(TileId tile, const GemmParams& p, const void* b_rows, cudaStream_t stream) {
 #if MEGAMOE_DIAG_TIMELINE
   g_last_tile = tile;
 #endif
@@ -98,7 +100,7 @@ void run_tile(TileId tile, const GemmParams& p, const uint16_t* b_rows, cudaStre
 // The policy's tile for `rows_hint` estimated rows, with its split of K where k_splits is left
 // to it (0).
 template <GemmKind kKind>
-void launch_auto(GemmParams p, int64_t rows_hint, bool serial_only, const uint16_t* b_rows,
+void launch_auto(GemmParams p, int64_t rows_hint, bool serial_only, const void* b_rows,
                  cudaStream_t stream) {
   TileQuery q;
   q.rows_hint = rows_hint;
@@ -120,20 +122,32 @@ void launch_auto(GemmParams p, int64_t rows_hint, bool serial_only, const uint16
 
 template <GemmKind kKind>
 void launch(GemmParams p, int64_t rows_hint, int64_t rows_per_expert_max, const TileRequest& tile,
-            const uint16_t* b_rows, cudaStream_t stream) {
+            const void* b_rows, cudaStream_t stream) {
+  const bool fp8 = p.w_row_exp != nullptr;
   switch (tile.mode) {
     case TileRequest::Mode::kForced:
       MEGAMOE_CHECK_ARG(static_cast<int>(tile.tile) < kNumTiles,
                         "sm90 gemm: tile: expected a TileId below ", kNumTiles, ", got ",
                         static_cast<int>(tile.tile));
+      MEGAMOE_CHECK_ARG(tile_config(tile.tile).fp8() == fp8, "sm90 gemm: tile ",
+                        tile_config(tile.tile).name, " is ",
+                        tile_config(tile.tile).fp8() ? "an FP8-mode tile" : "an exact-mode tile",
+                        ", the inputs are ", fp8 ? "FP8-mode ones (E4M3 rows)" : "exact-mode ones (BF16 rows)");
       if (p.k_splits == 0) p.k_splits = 1;
       run_tile<kKind>(tile.tile, p, b_rows, stream);
       return;
     case TileRequest::Mode::kSerial:
+      MEGAMOE_CHECK_ARG(!fp8, "sm90 gemm: tile 'serial' is an exact-mode request; the inputs are "
+                              "FP8-mode ones (E4M3 rows)");
       launch_auto<kKind>(p, rows_hint, true, b_rows, stream);
       return;
     case TileRequest::Mode::kAuto:
       break;
+  }
+  if (fp8) {  // FP8 mode: its prefill tile (the only FP8 policy so far; docs/perf.md)
+    p.k_splits = 1;
+    run_tile<kKind>(choose_fp8_tile(rows_hint, p.num_experts, p.k), p, b_rows, stream);
+    return;
   }
   if (p.small_scales == 0) {  // the serial tiles: no gated launches
     launch_auto<kKind>(p, rows_hint, false, b_rows, stream);
@@ -228,12 +242,60 @@ bool scales_all_small(const uint8_t* sf, int64_t bytes, cudaStream_t stream) {
   return host == 0;
 }
 
+namespace {
+
+// out[e, m] = the largest scale byte of prepared row m of expert e: row 16 w + g + 8 h of block
+// mb holds byte 4 (8 w + g) + 2 h + j of each of the block row's scale blocks (sm90 layout).
+__global__ void weight_row_exp_kernel(const uint8_t* sf, int64_t experts, int64_t m_rows,
+                                      int64_t k, uint8_t* out) {
+  const int64_t rows = experts * m_rows;
+  const int64_t kb_count = k / sm90_layout::kBlockK;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e = i / m_rows, m = i % m_rows;
+    const int64_t mb = m / sm90_layout::kBlockRows;
+    const int r = static_cast<int>(m % sm90_layout::kBlockRows);
+    const int w = r / 16, h = (r % 16) / 8, g = r % 8;
+    const uint8_t* blocks = sf + (e * (m_rows / sm90_layout::kBlockRows) + mb) * kb_count *
+                                     sm90_layout::kSfBlockBytes;
+    const int byte = 4 * (8 * w + g) + 2 * h;
+    uint32_t best = 0;
+    for (int64_t kb = 0; kb < kb_count; ++kb) {
+      const uint8_t* b = blocks + kb * sm90_layout::kSfBlockBytes + byte;
+      best = max(best, static_cast<uint32_t>(max(b[0], b[1])));
+    }
+    out[i] = static_cast<uint8_t>(best);
+  }
+}
+
+}  // namespace
+
+void weight_row_exponents(const uint8_t* sf, int num_experts, int64_t m_rows, int64_t k,
+                          uint8_t* out, cudaStream_t stream) {
+  MEGAMOE_CHECK_ARG(num_experts >= 0 && m_rows % sm90_layout::kBlockRows == 0 &&
+                        k % sm90_layout::kBlockK == 0,
+                    "weight_row_exponents: expected E >= 0, m_rows % 64 == 0 and k % 64 == 0, got ",
+                    num_experts, ", ", m_rows, ", ", k);
+  const int64_t rows = num_experts * m_rows;
+  if (rows == 0) return;
+  MEGAMOE_CHECK_ARG(sf != nullptr && out != nullptr,
+                    "weight_row_exponents: sf, out: expected device pointers, got a null one");
+  const int64_t blocks = std::min<int64_t>((rows + 255) / 256, 8LL * cuda::device_info().sm_count);
+  weight_row_exp_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(sf, num_experts, m_rows,
+                                                                           k, out);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
 void launch_l1(const L1Args& a, cudaStream_t stream) {
   check_common("launch_l1", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
   if (a.max_rows == 0) return;  // no rows can exist
-  MEGAMOE_CHECK_ARG(a.act && a.row_weights && a.w13 && a.w13_sf && a.h_q && a.h_sf && a.h_act,
-                    "launch_l1: act, row_weights, w13, w13_sf, h_q, h_sf, h_act: expected device "
-                    "pointers, got a null one");
+  const bool fp8 = a.act_fp8 != nullptr;
+  MEGAMOE_CHECK_ARG((fp8 || a.act) && a.row_weights && a.w13 && a.w13_sf && a.h_q && a.h_sf && a.h_act,
+                    "launch_l1: act (or act_fp8), row_weights, w13, w13_sf, h_q, h_sf, h_act: "
+                    "expected device pointers, got a null one");
+  MEGAMOE_CHECK_ARG(!fp8 || (a.act_row_factor != nullptr && a.w13_row_exp != nullptr),
+                    "launch_l1: FP8 mode (act_fp8 given): act_row_factor and w13_row_exp: "
+                    "expected device pointers, got a null one");
   MEGAMOE_CHECK_ARG(a.activation.kind != ActivationKind::kSitu || !a.activation.has_clamp,
                     "launch_l1: activation: situ takes no clamp");
   // The staged epilogue stores 8 bytes of h_q and 16 of h_act at a time.
@@ -259,16 +321,26 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
   p.h_sf = a.h_sf;
   p.h_act = a.h_act;
   p.small_scales = a.small_scales ? 1 : 0;
+  if (fp8) {
+    p.w_row_exp = a.w13_row_exp;
+    p.b_row_factor = a.act_row_factor;
+  }
   set_split_k(p, a.split_k, a.k_splits, "launch_l1");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
-  launch<GemmKind::kL1>(p, a.rows_hint, a.rows_per_expert_max, a.tile, a.act, stream);
+  launch<GemmKind::kL1>(p, a.rows_hint, a.rows_per_expert_max, a.tile,
+                        fp8 ? static_cast<const void*>(a.act_fp8) : a.act, stream);
 }
 
 void launch_l2(const L2Args& a, cudaStream_t stream) {
   check_common("launch_l2", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
   if (a.max_rows == 0) return;
-  MEGAMOE_CHECK_ARG(a.h_act && a.w2 && a.w2_sf && a.out,
-                    "launch_l2: h_act, w2, w2_sf, out: expected device pointers, got a null one");
+  const bool fp8 = a.h_fp8 != nullptr;
+  MEGAMOE_CHECK_ARG((fp8 || a.h_act) && a.w2 && a.w2_sf && a.out,
+                    "launch_l2: h_act (or h_fp8), w2, w2_sf, out: expected device pointers, got a "
+                    "null one");
+  MEGAMOE_CHECK_ARG(!fp8 || (a.h_row_factor != nullptr && a.w2_row_exp != nullptr),
+                    "launch_l2: FP8 mode (h_fp8 given): h_row_factor and w2_row_exp: expected "
+                    "device pointers, got a null one");
   // The asynchronous epilogue stores 16 bytes of out at a time (checked for every tile).
   MEGAMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(a.out) % 16 == 0,
                     "launch_l2: out: expected a 16-byte aligned pointer, got ",
@@ -288,9 +360,14 @@ void launch_l2(const L2Args& a, cudaStream_t stream) {
   p.intermediate = static_cast<int>(a.intermediate);
   p.out = a.out;
   p.small_scales = a.small_scales ? 1 : 0;
+  if (fp8) {
+    p.w_row_exp = a.w2_row_exp;
+    p.b_row_factor = a.h_row_factor;
+  }
   set_split_k(p, a.split_k, a.k_splits, "launch_l2");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
-  launch<GemmKind::kL2>(p, a.rows_hint, a.rows_per_expert_max, a.tile, a.h_act, stream);
+  launch<GemmKind::kL2>(p, a.rows_hint, a.rows_per_expert_max, a.tile,
+                        fp8 ? static_cast<const void*>(a.h_fp8) : a.h_act, stream);
 }
 
 #if MEGAMOE_DIAG_TIMELINE

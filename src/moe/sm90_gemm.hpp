@@ -82,7 +82,13 @@ struct L1Args {
                                         // actual rows per hit expert (only one runs;
                                         // plan_launches)
   const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
-  const uint16_t* act = nullptr;        // device bf16 [max_rows + kRowSlack, H]
+  const uint16_t* act = nullptr;        // device bf16 [max_rows + kRowSlack, H] (exact mode)
+  // FP8 mode (docs/numerics.md "FP8 mode"; given act_fp8, act is not read and an FP8 tile runs):
+  // token rows in E4M3 with one power-of-two factor per row, each 32-group of a row stored in
+  // sm90_layout::fp8_row_slot order; the weights' row exponents from weight_row_exponents.
+  const uint8_t* act_fp8 = nullptr;     // device e4m3 [max_rows + kRowSlack, H]
+  const float* act_row_factor = nullptr;  // device fp32 [max_rows + kRowSlack]
+  const uint8_t* w13_row_exp = nullptr; // device [E_l, 2I]
   const float* row_weights = nullptr;   // device fp32 [max_rows]
   const uint8_t* w13 = nullptr;         // device, sm90 prepared layout
   const uint8_t* w13_sf = nullptr;      // device, sm90 prepared layout
@@ -121,6 +127,9 @@ struct L2Args {
   int64_t rows_per_expert_max = 0;      // as in L1Args
   const int32_t* row_offsets = nullptr; // device int32 [E_l + 1]
   const uint16_t* h_act = nullptr;      // device bf16 [max_rows + kRowSlack, I]
+  const uint8_t* h_fp8 = nullptr;       // FP8 mode, as L1Args::act_fp8: [max_rows + kRowSlack, I]
+  const float* h_row_factor = nullptr;  // FP8 mode: [max_rows + kRowSlack]
+  const uint8_t* w2_row_exp = nullptr;  // FP8 mode: [E_l, H]
   const float* row_weights = nullptr;   // device fp32 [max_rows] (scales the L2 bias only)
   const uint8_t* w2 = nullptr;          // device, sm90 prepared layout
   const uint8_t* w2_sf = nullptr;       // device, sm90 prepared layout
@@ -138,6 +147,11 @@ struct L2Args {
 // <= 2^0: L1Args / L2Args::small_scales). One pass over the bytes on `stream`, then a host
 // synchronization of it: for weight loading, not inside a layer call.
 bool scales_all_small(const uint8_t* sf, int64_t bytes, cudaStream_t stream);
+
+// FP8 mode: out[e, m] = the largest scale byte of prepared row m of expert e of an sm90-layout
+// scale tensor (E experts x m_rows rows x k / 32 groups), asynchronously on `stream`.
+void weight_row_exponents(const uint8_t* sf, int num_experts, int64_t m_rows, int64_t k,
+                          uint8_t* out, cudaStream_t stream);
 
 // Asynchronous on `stream`; no host synchronization and no allocation (CUDA-graph capturable).
 void launch_l1(const L1Args& args, cudaStream_t stream);

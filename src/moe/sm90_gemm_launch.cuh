@@ -15,7 +15,7 @@
 namespace megamoe::sm90 {
 
 template <TileId kId, GemmKind kKind>
-void launch_tile(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream) {
+void launch_tile(const GemmParams& p, const void* b_rows, cudaStream_t stream) {
   using Cfg = GemmConfig<kId>;
   auto* kernel = &sm90_grouped_gemm_bf16_mxfp4_kernel<Cfg, kKind>;
   MEGAMOE_CHECK_ARG(p.k % Cfg::kTile.k_multiple() == 0, "sm90 gemm: tile ", Cfg::kTile.name,
@@ -30,7 +30,11 @@ void launch_tile(const GemmParams& p, const uint16_t* b_rows, cudaStream_t strea
     MEGAMOE_CHECK_ARG(p.k_splits <= stages, "sm90 gemm: k_splits: expected at most the ", stages,
                       " pipeline stages of K = ", p.k, ", got ", p.k_splits);
   }
-  MEGAMOE_CHECK_ARG(!Cfg::kOverlapConvert || p.small_scales != 0, "sm90 gemm: tile ",
+  MEGAMOE_CHECK_ARG(!Cfg::kFp8 || (p.w_row_exp != nullptr && p.b_row_factor != nullptr),
+                    "sm90 gemm: tile ", Cfg::kTile.name, " is an FP8-mode tile: it needs E4M3 "
+                    "token rows with their row factors and the weights' row exponents (L1Args / "
+                    "L2Args: act_fp8 / h_fp8 and the rest of the FP8 inputs)");
+  MEGAMOE_CHECK_ARG(!Cfg::kTile.needs_small_scales() || p.small_scales != 0, "sm90 gemm: tile ",
                     Cfg::kTile.name, " converts with one multiply, exact only for weight scale "
                     "bytes < 128 (L1Args / L2Args::small_scales, scales_all_small); these weights "
                     "have a larger scale (or small_scales was not set): use the policy (auto or "
@@ -45,8 +49,8 @@ void launch_tile(const GemmParams& p, const uint16_t* b_rows, cudaStream_t strea
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem_max)));
   });
-  const CUtensorMap map =
-      make_rows_map(b_rows, static_cast<int64_t>(p.max_rows) + kRowSlack, p.k, Cfg::kBlockN);
+  const CUtensorMap map = make_rows_map(b_rows, static_cast<int64_t>(p.max_rows) + kRowSlack, p.k,
+                                       Cfg::kBlockN, Cfg::kFp8);
   const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
   cuda::launch(kernel, grid, Cfg::kThreads, Cfg::smem_bytes(p.num_experts), stream,
                p.prefetch_before_wait != 0, map, p);

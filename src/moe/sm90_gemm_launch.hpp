@@ -17,16 +17,18 @@ namespace megamoe::sm90 {
 
 // Launches tile kId's kernel of kind kKind on `stream` (checks what the tile asks of K, k_splits,
 // the scales and shared memory first).
+// b_rows: bf16 token rows, or E4M3 ones for an FP8 tile.
 template <TileId kId, GemmKind kKind>
-void launch_tile(const GemmParams& p, const uint16_t* b_rows, cudaStream_t stream);
+void launch_tile(const GemmParams& p, const void* b_rows, cudaStream_t stream);
 
 // Loads tile kId's kernel of kind kKind into the context now (CUDA loads kernels lazily, at
 // their first launch, and that load waits for the device to be idle: see load_gemm_kernels).
 template <TileId kId, GemmKind kKind>
 void load_tile();
 
-// Row-major bf16 [rows, cols] token rows, read in boxes of box_rows x 64 with 128-byte swizzle.
-CUtensorMap make_rows_map(const uint16_t* base, int64_t rows, int64_t cols, int box_rows);
+// Row-major [rows, cols] token rows, bf16 (read in boxes of box_rows x 64) or E4M3 (fp8: boxes of
+// box_rows x 128), 128-byte swizzle.
+CUtensorMap make_rows_map(const void* base, int64_t rows, int64_t cols, int box_rows, bool fp8);
 
 #if MEGAMOE_DIAG_TIMELINE
 // Measurement builds: the stamps of tile kId's translation unit (each has its own table), and the

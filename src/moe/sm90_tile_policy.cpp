@@ -199,6 +199,17 @@ std::string tile_request_names() {
   return names;
 }
 
+TileId choose_fp8_tile(int64_t rows_hint, int num_experts, int64_t k) {
+  // NOTES: the 128 x 192 tile was faster than the 256 x 128 one at 10 of the 12 GEMMs of
+  // kimi-k3 / deepseek-v3 at T = 512-8192 (docs/tuning-log.md v22).
+  constexpr TileId kTile = TileId::kFp8Prefill128x192K2Async;
+  MEGAMOE_CHECK_ARG(k % tile_config(kTile).k_multiple() == 0, "sm90 gemm: FP8 mode: K (H for L1, "
+                    "I for L2) must be a multiple of ", tile_config(kTile).k_multiple(), ", got ", k);
+  (void)rows_hint;
+  (void)num_experts;
+  return kTile;
+}
+
 std::ostream& operator<<(std::ostream& os, const TileConfig& t) {
   static constexpr const char* kMainloop[] = {"serial", "overlap"};
   static constexpr const char* kMma[] = {"wgmma", "warp-mma"};
@@ -211,6 +222,7 @@ std::ostream& operator<<(std::ostream& os, const TileConfig& t) {
      << " epilogue";
   if (t.epilogue_warpgroups > 1) os << " (" << t.epilogue_warpgroups << " warpgroups)";
   if (t.split_k) os << ", split-K";
+  if (t.fp8()) os << ", e4m3 operands (FP8 mode)";
   return os << "}";
 }
 

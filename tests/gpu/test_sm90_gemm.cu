@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -184,6 +185,106 @@ void ref_gemm(const std::vector<uint16_t>& x, int64_t r0, int64_t nr, const std:
   }
 }
 
+// FP8 mode operands (docs/numerics.md "FP8 mode"), as the kernels must see them.
+// Token rows: per row one power of two f = 2^ceil(log2(amax / 448)) and q = e4m3(x / f) (exact
+// for the test's rows, which carry E4M3 x 2^s, unless a value falls below E4M3's range), stored
+// in fp8_row_slot order; vals = q x f, what the reference multiplies.
+struct Fp8Rows {
+  std::vector<uint8_t> q;
+  std::vector<float> factor, vals;
+};
+Fp8Rows fp8_rows(const std::vector<uint16_t>& x, int64_t rows, int64_t cols) {
+  Fp8Rows out;
+  out.q.assign(rows * cols, 0);
+  out.factor.assign(rows, 1.0f);
+  out.vals.assign(rows * cols, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float amax = 0;
+    for (int64_t c = 0; c < cols; ++c) amax = std::fmax(amax, std::fabs(bf16_to_f32(x[r * cols + c])));
+    const float f = amax > 0 ? std::ldexp(1.0f, static_cast<int>(std::ceil(std::log2(amax / 448.0)))) : 1.0f;
+    out.factor[r] = f;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t q = e4m3_from_f32(bf16_to_f32(x[r * cols + c]) / f);
+      const int64_t slot = c / 32 * 32 + sm90_layout::fp8_row_slot(static_cast<int>(c % 32));
+      out.q[r * cols + slot] = q;
+      out.vals[r * cols + c] = e4m3_to_f32(q) * f;
+    }
+  }
+  return out;
+}
+
+// Weights as the FP8 tiles multiply them: E2M1 x 2^(s - s_max + 1) rounded to E4M3 (exact within
+// 9 binades of the row's largest scale s_max), times 2^(s_max - 128). Also each canonical row's
+// s_max (rows_exp, [n]).
+std::vector<float> fp8_expert(const std::vector<uint8_t>& w, const std::vector<uint8_t>& sf, int e,
+                              int64_t n, int64_t k, std::vector<uint8_t>* rows_exp = nullptr) {
+  std::vector<float> out(n * k);
+  const uint8_t* we = w.data() + e * n * k / 2;
+  const uint8_t* se = sf.data() + e * n * k / 32;
+  if (rows_exp) rows_exp->assign(n, 0);
+  for (int64_t r = 0; r < n; ++r) {
+    int smax = 0;
+    for (int64_t g = 0; g < k / 32; ++g) smax = std::max(smax, int(se[r * (k / 32) + g]));
+    if (rows_exp) (*rows_exp)[r] = static_cast<uint8_t>(smax);
+    for (int64_t c = 0; c < k; ++c) {
+      const int s = se[r * (k / 32) + c / 32];
+      const float folded = std::ldexp(e2m1_to_f32(e2m1_unpack(we + r * k / 2, c)), s - smax + 1);
+      out[r * k + c] = e4m3_to_f32(e4m3_from_f32(folded)) * std::ldexp(1.0f, smax - 128);
+    }
+  }
+  return out;
+}
+
+// ref_gemm on FP32 rows.
+void ref_gemm_f(const std::vector<float>& x, int64_t r0, int64_t nr, const std::vector<float>& w,
+                int64_t n, int64_t k, std::vector<double>& acc, std::vector<double>& mag) {
+  acc.assign(nr * n, 0.0);
+  mag.assign(nr * n, 0.0);
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* xr = &x[(r0 + r) * k];
+    for (int64_t j = 0; j < n; ++j) {
+      const float* wr = &w[j * k];
+      double s = 0, m = 0;
+      for (int64_t c = 0; c < k; ++c) {
+        const double t = double(xr[c]) * wr[c];
+        s += t;
+        m += std::fabs(t);
+      }
+      acc[r * n + j] = s;
+      mag[r * n + j] = m;
+    }
+  }
+}
+
+// FP8 inputs on the device: rows, factors (rows + slack) and the weights' row exponents computed
+// by weight_row_exponents from the prepared scales, checked against the canonical rows' s_max.
+struct Fp8Device {
+  Buffer q, factor, row_exp;
+};
+Fp8Device fp8_device(const Fp8Rows& rows, const Buffer& d_psf, Sm90Matrix which, const Problem& p,
+                     const std::vector<uint8_t>& w, const std::vector<uint8_t>& sf, int64_t n,
+                     int64_t k) {
+  Fp8Device d;
+  d.q = to_device(rows.q);
+  d.factor = to_device(rows.factor);
+  d.row_exp = Buffer(std::max<int64_t>(p.E * n, 1), Device::cuda());
+  sm90::weight_row_exponents(d_psf.as<uint8_t>(), p.E, n, k, d.row_exp.as<uint8_t>(), nullptr);
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = to_host<uint8_t>(d.row_exp, p.E * n);
+  int64_t bad = 0;
+  for (int e = 0; e < p.E; ++e) {
+    std::vector<uint8_t> expect;
+    (void)fp8_expert(w, sf, e, n, k, &expect);
+    for (int64_t m = 0; m < n; ++m) {
+      const int64_t canon = sm90_layout::canonical_row(which == Sm90Matrix::kW13, m, p.I);
+      if (got[e * n + m] != expect[canon] && ++bad <= 5)
+        ADD_FAILURE() << "weight_row_exponents expert " << e << " prepared row " << m << ": "
+                      << int(got[e * n + m]) << ", expected " << int(expect[canon]);
+    }
+  }
+  return d;
+}
+
 std::string describe(const Problem& p, const char* what) {
   std::string s = std::string(what) + " H=" + std::to_string(p.H) + " I=" + std::to_string(p.I) +
                   " counts={";
@@ -206,9 +307,9 @@ double bf16_ulp(double v) {
 // (out_copy: if given, receives the launch's output rows, for bitwise comparisons.)
 void run_l2_case(const Problem& p, int64_t rows_hint, bool with_bias,
                  sm90::TileRequest tile = {}, int k_splits = 0,
-                 std::vector<uint16_t>* out_copy = nullptr) {
+                 std::vector<uint16_t>* out_copy = nullptr, bool fp8 = false) {
   SCOPED_TRACE(describe(p, "L2") + " tile=" + sm90::to_string(tile) +
-               " k_splits=" + std::to_string(k_splits));
+               " k_splits=" + std::to_string(k_splits) + (fp8 ? " fp8" : ""));
   std::vector<uint8_t> pw2, psf2;
   prepare_all(Sm90Matrix::kW2, p, p.w2, p.w2_sf, pw2, psf2);
   Buffer d_off = to_device(p.offsets), d_h = to_device(p.h_in), d_rw = to_device(p.row_weights);
@@ -224,6 +325,16 @@ void run_l2_case(const Problem& p, int64_t rows_hint, bool with_bias,
   a.row_weights = d_rw.as<float>(); a.w2 = d_w.as<uint8_t>(); a.w2_sf = d_sf.as<uint8_t>();
   a.w2_bias = with_bias ? d_bias.as<uint16_t>() : nullptr; a.out = d_out.as<uint16_t>();
   a.small_scales = sm90::scales_all_small(d_sf.as<uint8_t>(), int64_t(psf2.size()), nullptr);
+  Fp8Rows rows8;
+  Fp8Device dev8;
+  if (fp8) {
+    rows8 = fp8_rows(p.h_in, p.rows + sm90::kRowSlack, p.I);
+    dev8 = fp8_device(rows8, d_sf, Sm90Matrix::kW2, p, p.w2, p.w2_sf, p.H, p.I);
+    a.h_act = nullptr;
+    a.h_fp8 = dev8.q.as<uint8_t>();
+    a.h_row_factor = dev8.factor.as<float>();
+    a.w2_row_exp = dev8.row_exp.as<uint8_t>();
+  }
   a.tile = tile;
   a.split_k = split_workspace();
   if (g_static_units) a.split_k.unit_counter = nullptr;
@@ -239,8 +350,13 @@ void run_l2_case(const Problem& p, int64_t rows_hint, bool with_bias,
   std::vector<double> acc, mag;
   for (int e = 0; e < p.E; ++e) {
     if (p.counts[e] == 0) continue;
-    const auto w = dequant_expert(p.w2, p.w2_sf, e, p.H, p.I);
-    ref_gemm(p.h_in, p.offsets[e], p.counts[e], w, p.H, p.I, acc, mag);
+    if (fp8) {
+      ref_gemm_f(rows8.vals, p.offsets[e], p.counts[e], fp8_expert(p.w2, p.w2_sf, e, p.H, p.I), p.H,
+                 p.I, acc, mag);
+    } else {
+      ref_gemm(p.h_in, p.offsets[e], p.counts[e], dequant_expert(p.w2, p.w2_sf, e, p.H, p.I), p.H,
+               p.I, acc, mag);
+    }
     for (int64_t r = 0; r < p.counts[e]; ++r) {
       const int64_t row = p.offsets[e] + r;
       for (int64_t n = 0; n < p.H; ++n) {
@@ -251,7 +367,10 @@ void run_l2_case(const Problem& p, int64_t rows_hint, bool with_bias,
           ref += bt;
           m += std::fabs(bt);
         }
-        const double bound = kBoundC * std::sqrt(double(p.I)) * kEps32 * m + bf16_ulp(ref);
+        // FP8 mode: the FP8 tensor cores accumulate with fewer bits than FP32 (about 14;
+        // docs/numerics.md "FP8 mode"): a bound of 2^-9 of the sum of |terms|.
+        const double bound = (fp8 ? std::ldexp(1.0, -9) : kBoundC * std::sqrt(double(p.I)) * kEps32) * m +
+                             bf16_ulp(ref);
         const double got = bf16_to_f32(out[row * p.H + n]);
         const double used = std::fabs(got - ref) / bound;
         worst = std::max(worst, std::isnan(used) ? 1e30 : used);
@@ -265,8 +384,9 @@ void run_l2_case(const Problem& p, int64_t rows_hint, bool with_bias,
   for (int64_t row = p.rows; row < max_rows; ++row)
     for (int64_t n = 0; n < p.H; ++n)
       ASSERT_EQ(out[row * p.H + n], uint16_t(kPoisonByte * 0x101)) << "row past the routed rows written";
-  printf("[sm90 L2] %s rows_hint=%lld tile=%s k_splits=%d bias=%d: max |gpu-ref| / bound = %.3f\n",
-         describe(p, "").c_str(), (long long)rows_hint, sm90::to_string(tile).c_str(), k_splits, int(with_bias), worst);
+  printf("[sm90 L2] %s rows_hint=%lld tile=%s k_splits=%d bias=%d%s: max |gpu-ref| / bound = %.3f\n",
+         describe(p, "").c_str(), (long long)rows_hint, sm90::to_string(tile).c_str(), k_splits,
+         int(with_bias), fp8 ? " fp8" : "", worst);
   EXPECT_EQ(bad, 0);
 }
 
@@ -278,12 +398,21 @@ bool neighbour_codes(uint8_t a, uint8_t b) {
   return std::abs(ma - mb) == 1;
 }
 
+// FP8 mode: the FP8 tensor cores' accumulation error is a fraction of the sum of |terms| (the
+// L2 check bounds it by 2^-9 of that sum), which moves a small code by several steps but only
+// by a small absolute amount: codes agree when they are neighbours or their values differ by at
+// most 1 in units of the group's scale (whose largest code is about 448).
+bool fp8_close_codes(uint8_t a, uint8_t b) {
+  return neighbour_codes(a, b) || std::fabs(e4m3_to_f32(a) - e4m3_to_f32(b)) <= 1.0f;
+}
+
 // (hact_copy: if given, receives h_act, for bitwise comparisons.)
 void run_l1_case(const Problem& p, int64_t rows_hint, const Activation& act, bool fast_math,
                  bool with_bias, sm90::TileRequest tile = {}, int k_splits = 0,
-                 std::vector<uint16_t>* hact_copy = nullptr) {
+                 std::vector<uint16_t>* hact_copy = nullptr, bool fp8 = false) {
   SCOPED_TRACE(describe(p, "L1") + " tile=" + sm90::to_string(tile) + " act=" + std::to_string(int(act.kind)) +
-               " fast_math=" + std::to_string(fast_math) + " k_splits=" + std::to_string(k_splits));
+               " fast_math=" + std::to_string(fast_math) + " k_splits=" + std::to_string(k_splits) +
+               (fp8 ? " fp8" : ""));
   std::vector<uint8_t> pw, psf;
   prepare_all(Sm90Matrix::kW13, p, p.w13, p.w13_sf, pw, psf);
   Buffer d_off = to_device(p.offsets), d_x = to_device(p.act), d_rw = to_device(p.row_weights);
@@ -306,6 +435,16 @@ void run_l1_case(const Problem& p, int64_t rows_hint, const Activation& act, boo
   a.fast_math = fast_math; a.h_q = d_hq.as<uint8_t>(); a.h_sf = d_hsf.as<uint8_t>();
   a.h_act = d_hact.as<uint16_t>();
   a.small_scales = sm90::scales_all_small(d_sf.as<uint8_t>(), int64_t(psf.size()), nullptr);
+  Fp8Rows rows8;
+  Fp8Device dev8;
+  if (fp8) {
+    rows8 = fp8_rows(p.act, p.rows + sm90::kRowSlack, p.H);
+    dev8 = fp8_device(rows8, d_sf, Sm90Matrix::kW13, p, p.w13, p.w13_sf, 2 * I, p.H);
+    a.act = nullptr;
+    a.act_fp8 = dev8.q.as<uint8_t>();
+    a.act_row_factor = dev8.factor.as<float>();
+    a.w13_row_exp = dev8.row_exp.as<uint8_t>();
+  }
   a.tile = tile;
   a.split_k = split_workspace();
   if (g_static_units) a.split_k.unit_counter = nullptr;
@@ -323,8 +462,13 @@ void run_l1_case(const Problem& p, int64_t rows_hint, const Activation& act, boo
   std::vector<float> v(I);
   for (int e = 0; e < p.E; ++e) {
     if (p.counts[e] == 0) continue;
-    const auto w = dequant_expert(p.w13, p.w13_sf, e, 2 * I, p.H);
-    ref_gemm(p.act, p.offsets[e], p.counts[e], w, 2 * I, p.H, acc, mag);
+    if (fp8) {
+      ref_gemm_f(rows8.vals, p.offsets[e], p.counts[e], fp8_expert(p.w13, p.w13_sf, e, 2 * I, p.H),
+                 2 * I, p.H, acc, mag);
+    } else {
+      ref_gemm(p.act, p.offsets[e], p.counts[e], dequant_expert(p.w13, p.w13_sf, e, 2 * I, p.H),
+               2 * I, p.H, acc, mag);
+    }
     for (int64_t r = 0; r < p.counts[e]; ++r) {
       const int64_t row = p.offsets[e] + r;
       for (int64_t j = 0; j < I; ++j) {
@@ -348,7 +492,7 @@ void run_l1_case(const Problem& p, int64_t rows_hint, const Activation& act, boo
           ++codes;
           if (gb == b && hq[idx] != rq) {
             ++flips;
-            if (!neighbour_codes(hq[idx], rq) && ++far_flips <= 5)
+            if (!(fp8 ? fp8_close_codes(hq[idx], rq) : neighbour_codes(hq[idx], rq)) && ++far_flips <= 5)
               ADD_FAILURE() << "code row " << row << " j " << grp * 32 + j << " gpu " << int(hq[idx]) << " ref " << int(rq);
           }
           const uint16_t expect = bf16_from_f32(e4m3_to_f32(hq[idx]) * exp2i(gb - 127));
@@ -362,14 +506,15 @@ void run_l1_case(const Problem& p, int64_t rows_hint, const Activation& act, boo
     ASSERT_EQ(hq[i], kPoisonByte) << "h_q written past the routed rows";
   const double flip_frac = codes ? double(flips) / codes : 0.0;
   const double sf_frac = codes ? double(sf_diff) * 32 / codes : 0.0;
-  printf("[sm90 L1] %s act=%s fast=%d bias=%d: codes %lld, flipped %lld (%.4f%%), scale diffs %lld (%.4f%% of groups)\n",
-         describe(p, "").c_str(), act.name().c_str(), int(fast_math), int(with_bias),
+  printf("[sm90 L1] %s act=%s fast=%d bias=%d%s: codes %lld, flipped %lld (%.4f%%), scale diffs %lld (%.4f%% of groups)\n",
+         describe(p, "").c_str(), act.name().c_str(), int(fast_math), int(with_bias), fp8 ? " fp8" : "",
          (long long)codes, (long long)flips, 100 * flip_frac, (long long)sf_diff, 100 * sf_frac);
   EXPECT_EQ(far_flips, 0);
   EXPECT_EQ(sf_far, 0);
   EXPECT_EQ(act_bad, 0);
-  EXPECT_LE(flip_frac, 0.005);
-  EXPECT_LE(sf_frac, 0.002);
+  // FP8 mode: the FP8 tensor cores' accumulation moves codes near a rounding boundary more often.
+  EXPECT_LE(flip_frac, fp8 ? 0.03 : 0.005);
+  EXPECT_LE(sf_frac, fp8 ? 0.01 : 0.002);
 }
 
 TEST(Sm90Gemm, L2DecodeAndPrefillConfigs) {
@@ -440,9 +585,19 @@ TEST(Sm90Gemm, KimiShapeDecodeAndOneLargeExpert) {
 using sm90::TileId;
 using sm90::TileRequest;
 
+// Every exact-mode tile (the FP8 tiles take other inputs: Fp8Tiles* below).
 std::vector<TileId> every_tile() {
   std::vector<TileId> tiles;
-  for (int i = 0; i < sm90::kNumTiles; ++i) tiles.push_back(static_cast<TileId>(i));
+  for (int i = 0; i < sm90::kNumTiles; ++i) {
+    if (!sm90::tile_config(static_cast<TileId>(i)).fp8()) tiles.push_back(static_cast<TileId>(i));
+  }
+  return tiles;
+}
+std::vector<TileId> fp8_tiles() {
+  std::vector<TileId> tiles;
+  for (int i = 0; i < sm90::kNumTiles; ++i) {
+    if (sm90::tile_config(static_cast<TileId>(i)).fp8()) tiles.push_back(static_cast<TileId>(i));
+  }
   return tiles;
 }
 TileRequest forced(TileId id) { return TileRequest::forced(id); }
@@ -550,6 +705,58 @@ TEST(Sm90Gemm, ScalesAboveAndBelow128) {
   wide_scale_case(TileRequest::automatic());
   wide_scale_case(TileRequest::serial());
   for (const TileId tile : every_tile()) wide_scale_case(forced(tile));
+}
+
+// FP8 mode: every FP8 tile (and the FP8 policy) against the reference on the operands as the FP8
+// mode rebases them: empty experts, partial n- and m-tiles, experts over 128 / 256 rows, bias,
+// every activation; then scale spreads of up to 24 binades in a row (groups below the 9-binade
+// window rounded, alike on both sides).
+TEST(Sm90Gemm, Fp8TilesAgainstTheRebasedReference) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(512, 256, {0, 1, 7, 64, 0, 513, 3, 130, 250}, true, 8);
+  Problem wide = make_problem(384, 128, {9, 200, 0, 70}, false, 12);
+  std::mt19937 rng(13);
+  for (auto* sf : {&wide.w13_sf, &wide.w2_sf}) {
+    for (auto& b : *sf) b = static_cast<uint8_t>(std::clamp(int(b) - 12 + int(rng() % 25), 1, 254));
+  }
+  std::vector<TileRequest> tiles = {TileRequest::automatic()};
+  for (const TileId t : fp8_tiles()) tiles.push_back(forced(t));
+  for (const TileRequest& tile : tiles) {
+    run_l1_case(p, p.rows, Activation::swiglu(), true, true, tile, 0, nullptr, true);
+    run_l1_case(p, p.rows, Activation::situ(4.0f, 25.0f), false, false, tile, 0, nullptr, true);
+    run_l1_case(p, p.rows, Activation::swiglu_oai(1.702f, 7.0f), true, true, tile, 0, nullptr, true);
+    run_l2_case(p, p.rows, true, tile, 0, nullptr, true);
+    run_l1_case(wide, wide.rows, Activation::swiglu(), true, false, tile, 0, nullptr, true);
+    run_l2_case(wide, wide.rows, false, tile, 0, nullptr, true);
+  }
+}
+
+// FP8 mode refusals: an exact-mode tile (or 'serial') with FP8 inputs, an FP8 tile with exact-mode
+// inputs, and K not a multiple of 128, each with an error naming what is wrong.
+TEST(Sm90Gemm, Fp8RefusesWhatItCannotRun) {
+  SKIP_WITHOUT_SM90();
+  const Problem p = make_problem(512, 256, {3, 40}, false, 14);
+  auto expect_error = [](const char* what, const std::function<void()>& f, const char* needle) {
+    try {
+      f();
+      ADD_FAILURE() << what << ": no error";
+    } catch (const megamoe::Error& e) {
+      EXPECT_EQ(e.code(), megamoe::ErrorCode::kInvalidArgument) << what;
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  expect_error("exact tile, FP8 inputs", [&] {
+    run_l2_case(p, p.rows, false, forced(TileId::kPrefill256x128K2Staged), 0, nullptr, true);
+  }, "is an exact-mode tile");
+  expect_error("serial, FP8 inputs", [&] {
+    run_l2_case(p, p.rows, false, TileRequest::serial(), 0, nullptr, true);
+  }, "exact-mode request");
+  expect_error("FP8 tile, exact inputs", [&] {
+    run_l2_case(p, p.rows, false, forced(TileId::kFp8Prefill256x128K2Staged));
+  }, "is an FP8-mode tile");
+  const Problem q = make_problem(320, 192, {5, 30}, false, 15);
+  expect_error("K % 128", [&] { run_l2_case(q, q.rows, false, TileRequest::automatic(), 0, nullptr, true); },
+               "multiple of 128");
 }
 
 // scales_all_small: one byte >= 128 anywhere (first, last, inside the 16-byte vectors, in the
