@@ -89,7 +89,10 @@ const char* to_string(RowsHintMode mode) {
 
 void LayerConfig::validate() const {
   shape.validate();
-  (void)sm90::parse_tile_request(sm90.gemm_tile);  // throws naming the valid tiles
+  const sm90::TileRequest tile = sm90::parse_tile_request(sm90.gemm_tile);  // throws naming the valid tiles
+  MEGAMOE_CHECK_ARG(tile.mode != sm90::TileRequest::Mode::kForced || !sm90::tile_config(tile.tile).fp8(),
+                    "config: sm90.gemm_tile: '", sm90.gemm_tile, "' is an FP8-mode tile; the layer "
+                    "runs the exact mode (the FP8 mode exists in the GEMMs only, docs/numerics.md)");
   constexpr auto kLastRowsHint = static_cast<unsigned>(RowsHintMode::kExpected);
   MEGAMOE_CHECK_ARG(static_cast<unsigned>(sm90.rows_hint) <= kLastRowsHint,
                     "config: sm90.rows_hint: expected gated, bound or expected, got value ",

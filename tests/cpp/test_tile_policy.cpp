@@ -54,6 +54,9 @@ TEST(TileTable, PrintsEveryField) {
   split << sm90::tile_config(TileId::kDecode128x16K2WarpSplitK);
   EXPECT_NE(split.str().find("warp-mma"), std::string::npos) << split.str();
   EXPECT_NE(split.str().find("split-K"), std::string::npos) << split.str();
+  std::ostringstream fp8;
+  fp8 << sm90::tile_config(TileId::kFp8Prefill128x192K2Async);
+  EXPECT_NE(fp8.str().find("e4m3 operands (FP8 mode)"), std::string::npos) << fp8.str();
 }
 
 // What each tile asks of a launch: the serial tiles take any scale byte, the overlapped ones
@@ -82,6 +85,17 @@ TEST(TileTable, TraitsAndSiblings) {
               true)
         << id;
   }
+  // FP8 tiles: two k-blocks per stage (one 128-byte TMA box of E4M3), no small-scale premise.
+  for (TileId id : {TileId::kFp8Prefill128x192K2Async, TileId::kFp8Prefill256x128K2Staged}) {
+    EXPECT_TRUE(sm90::tile_config(id).fp8()) << id;
+    EXPECT_FALSE(sm90::tile_config(id).needs_small_scales()) << id;
+    EXPECT_EQ(sm90::tile_config(id).k_multiple(), 128) << id;
+  }
+  EXPECT_EQ(sm90::GemmConfig<TileId::kFp8Prefill128x192K2Async>::kBoxesPerStage, 1);
+  EXPECT_EQ(sm90::GemmConfig<TileId::kFp8Prefill128x192K2Async>::kSmemBBytes, 192 * 128);
+  EXPECT_EQ(sm90::GemmConfig<TileId::kPrefill256x96K2Async2>::kSmemBBytes, 2 * 96 * 128);
+  EXPECT_EQ(sm90::choose_fp8_tile(65536, 256, 7168), TileId::kFp8Prefill128x192K2Async);
+  EXPECT_THROW(sm90::choose_fp8_tile(65536, 256, 2880), Error);
   EXPECT_EQ(sm90::GemmConfig<TileId::kPrefill256x96K2Async2>::kThreads, 512);
   EXPECT_EQ(sm90::GemmConfig<TileId::kPrefill256x96K2Async2>::kMathRegs, 168);
   EXPECT_EQ(sm90::GemmConfig<TileId::kDecode128x8K4Warp>::kThreads, 160);
@@ -248,6 +262,14 @@ TEST(LayerOptions, TileAndRowsHintAreValidated) {
   c.validate();
   c.sm90.gemm_tile = "decode_128x16";
   EXPECT_THROW(c.validate(), Error);
+  c.sm90.gemm_tile = "fp8_128x192_k2_async";  // an FP8-mode tile: the layer runs the exact mode
+  try {
+    c.validate();
+    ADD_FAILURE() << "an FP8-mode tile was accepted for the layer";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("FP8-mode tile"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(parse_rows_hint_mode("bound"), RowsHintMode::kBound);
   EXPECT_STREQ(to_string(RowsHintMode::kExpected), "expected");
   EXPECT_THROW(parse_rows_hint_mode("upper"), Error);
