@@ -1,4 +1,6 @@
-// The CPU MoE layer: numerics.md sections 2-6, step by step.
+// The CPU MoE layer: numerics.md sections 2-6, step by step (and, with Precision::kFp8, the
+// FP8 mode of docs/numerics.md: token rows and weight rows rebased to E4M3 per row before the
+// products; the sums stay exact-product FP32).
 //
 //   x (bf16) -> quantize_input -> x_q, x_sf                                       (section 2)
 //   per valid local slot (t, k), expert e:
@@ -65,6 +67,9 @@ void run_l1(const LayerConfig& config, const MoeWeights& weights, const RoutingP
   const int64_t h_groups = d.h / kScaleBlock;
   const int64_t i_groups = d.inter / kScaleBlock;
   h.assign(static_cast<size_t>(plan.num_rows() * d.inter), 0.0f);
+  const bool fp8 = config.precision == Precision::kFp8;
+  // FP8 mode: each row's scale bytes, to rebase the whole row once every item has written it.
+  std::vector<uint8_t> h_sf_rows(fp8 ? static_cast<size_t>(plan.num_rows() * i_groups) : 0);
   const auto* w13 = weights.w13.as<uint8_t>();
   const auto* w13_sf = weights.w13_sf.as<uint8_t>();
   const auto* w13_bias = weights.has_bias() ? weights.w13_bias.as<uint16_t>() : nullptr;
@@ -88,6 +93,7 @@ void run_l1(const LayerConfig& config, const MoeWeights& weights, const RoutingP
         const int64_t w_row = it.expert * 2 * d.inter + half * d.inter + j;
         dequantize_mxfp4(w13 + w_row * (d.h / 2), w13_sf + w_row * h_groups, n, d.h,
                          w_tile.data());
+        if (fp8) fp8_mode_fold_weights(w_tile.data(), w13_sf + w_row * h_groups, n, d.h);
         reference_detail::dot_tile(w_tile.data(), n, x_rows.data(), num_rows, d.h,
                                    acc.data() + half * cols + (j - it.col0), 2 * cols);
       }
@@ -116,6 +122,10 @@ void run_l1(const LayerConfig& config, const MoeWeights& weights, const RoutingP
       requantize_intermediate(v.data(), 1, cols, q.data(), sf.data());
       float* h_row = h.data() + (row0 + r) * d.inter + it.col0;
       dequantize_fp8(q.data(), sf.data(), 1, cols, h_row);
+      if (fp8) {
+        std::copy(sf.begin(), sf.end(),
+                  h_sf_rows.begin() + (row0 + r) * i_groups + it.col0 / kScaleBlock);
+      }
       if (trace != nullptr) {
         float* t_acc = trace->l1_acc.data() + slot * 2 * d.inter;
         std::copy(a, a + cols, t_acc + it.col0);
@@ -126,6 +136,11 @@ void run_l1(const LayerConfig& config, const MoeWeights& weights, const RoutingP
       }
     }
   });
+  if (fp8) {  // L2's token rows: one power of two per row (numerics.md "FP8 mode")
+    parallel_for(plan.num_rows(), [&](int64_t r) {
+      fp8_mode_rebase_rows(h.data() + r * d.inter, h_sf_rows.data() + r * i_groups, 1, d.inter);
+    });
+  }
 }
 
 // h [R, I] dequantized intermediate per plan row -> y [T, H] (and the trace's o).
@@ -156,6 +171,9 @@ void run_l2_combine(const LayerConfig& config, const MoeWeights& weights, const 
       const int64_t w_row = it.expert * d.h + n0;
       dequantize_mxfp4(w2 + w_row * (d.inter / 2), w2_sf + w_row * i_groups, n, d.inter,
                        w_tile.data());
+      if (config.precision == Precision::kFp8) {
+        fp8_mode_fold_weights(w_tile.data(), w2_sf + w_row * i_groups, n, d.inter);
+      }
       reference_detail::dot_tile(w_tile.data(), n, h_rows.data(), num_rows, d.inter,
                                  acc.data() + (n0 - it.col0), cols);
     }
@@ -214,14 +232,17 @@ void forward_from_dequantized(const LayerConfig& config, const MoeWeights& weigh
   run_l2_combine(config, weights, plan, h.data(), topk_weights, y, trace);
 }
 
-void dequantize_input(const Dims& d, const uint8_t* x_q, const uint8_t* x_sf, int64_t num_tokens,
-                      std::vector<float>& x_f) {
+// (FP8 mode: each token row rebased to one power of two, numerics.md "FP8 mode".)
+void dequantize_input(const LayerConfig& config, const Dims& d, const uint8_t* x_q,
+                      const uint8_t* x_sf, int64_t num_tokens, std::vector<float>& x_f) {
   x_f.resize(static_cast<size_t>(num_tokens * d.h));
   const int64_t chunks = (num_tokens + kQuantChunkTokens - 1) / kQuantChunkTokens;
   parallel_for(chunks, [&](int64_t c) {
     const int64_t t0 = c * kQuantChunkTokens;
     const int64_t n = std::min(kQuantChunkTokens, num_tokens - t0);
-    dequantize_fp8(x_q + t0 * d.h, x_sf + t0 * (d.h / kScaleBlock), n, d.h, x_f.data() + t0 * d.h);
+    const uint8_t* sf = x_sf + t0 * (d.h / kScaleBlock);
+    dequantize_fp8(x_q + t0 * d.h, sf, n, d.h, x_f.data() + t0 * d.h);
+    if (config.precision == Precision::kFp8) fp8_mode_rebase_rows(x_f.data() + t0 * d.h, sf, n, d.h);
   });
 }
 
@@ -247,7 +268,7 @@ void reference_forward(const LayerConfig& config, const MoeWeights& weights, con
                    x_sf.data() + t0 * (d.h / kScaleBlock));
   });
   std::vector<float> x_f;
-  dequantize_input(d, x_q.data(), x_sf.data(), num_tokens, x_f);
+  dequantize_input(config, d, x_q.data(), x_sf.data(), num_tokens, x_f);
   if (trace != nullptr) {
     trace->x_q = x_q;
     trace->x_sf = x_sf;
@@ -267,7 +288,7 @@ void reference_forward_quantized(const LayerConfig& config, const MoeWeights& we
   const Dims d(config);
   prepare_trace(trace, d, num_tokens);
   std::vector<float> x_f;
-  dequantize_input(d, x_q, x_sf, num_tokens, x_f);
+  dequantize_input(config, d, x_q, x_sf, num_tokens, x_f);
   if (trace != nullptr) {
     std::copy(x_q, x_q + num_tokens * d.h, trace->x_q.begin());
     std::copy(x_sf, x_sf + num_tokens * d.h / kScaleBlock, trace->x_sf.begin());
@@ -294,6 +315,9 @@ void reference_l2_combine(const LayerConfig& config, const MoeWeights& weights,
     const int64_t slot = plan.row_slot[r];
     dequantize_fp8(h_q + slot * d.inter, h_sf + slot * i_groups, 1, d.inter,
                    h.data() + r * d.inter);
+    if (config.precision == Precision::kFp8) {
+      fp8_mode_rebase_rows(h.data() + r * d.inter, h_sf + slot * i_groups, 1, d.inter);
+    }
   });
   run_l2_combine(config, weights, plan, h.data(), topk_weights, y, nullptr);
 }

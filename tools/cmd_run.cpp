@@ -49,6 +49,7 @@ struct RunOptions {
   std::string activation;  // empty = the preset's
   std::string backend = "auto";
   bool exact = false;
+  std::string precision = "exact";
   uint64_t seed = 0;
   int ep_size = 1;
   int ep_rank = 0;
@@ -169,6 +170,7 @@ RunSetup setup_run(const RunOptions& o) {
   if (o.top_k) cfg.shape.top_k = o.top_k;
   cfg.activation = o.activation.empty() ? activation_preset(o.shape) : Activation::parse(o.activation);
   cfg.fast_math = !o.exact;
+  cfg.precision = parse_precision(o.precision);
   cfg.ep_size = o.ep_size;
   cfg.ep_rank = o.ep_rank;
   MEGAMOE_CHECK_ARG(o.tokens >= 0, "--tokens must be >= 0, got ", o.tokens);
@@ -289,6 +291,7 @@ int run_slice(const RunOptions& o, const RunSetup& s, std::chrono::steady_clock:
     j["seed"] = o.seed;
     j["backend"] = layer.backend();
     j["fast_math"] = cfg.fast_math;
+    j["precision"] = to_string(cfg.precision);
     j["gemm_tile"] = cfg.sm90.gemm_tile;
     j["ep"] = {{"mode", "slice"}, {"size", cfg.ep_size}, {"rank", cfg.ep_rank},
                {"first_local_expert", cfg.first_local_expert()},
@@ -324,8 +327,9 @@ int run_slice(const RunOptions& o, const RunSetup& s, std::chrono::steady_clock:
       std::printf("  note        --ep-size without --ep-rank runs rank 0's slice on the %s backend; "
                   "all %d ranks exchanging tokens (virtual ranks) need the sm90 backend\n",
                   chosen.c_str(), cfg.ep_size);
-    std::printf("  backend     %s on %s, fast_math %s, %d host threads\n", layer.backend().c_str(),
-                device_name(dev).c_str(), cfg.fast_math ? "on" : "off (exact)", num_threads());
+    std::printf("  backend     %s on %s, fast_math %s, precision %s, %d host threads\n",
+                layer.backend().c_str(), device_name(dev).c_str(),
+                cfg.fast_math ? "on" : "off (exact)", to_string(cfg.precision), num_threads());
     std::printf("  time        %.3f ms median, %.3f ms min over %d calls (after %d warm-up), "
                 "%.1f GFLOP/s effective\n",
                 median_s * 1e3, min_s * 1e3, o.iters, o.warmup,
@@ -664,6 +668,11 @@ const Command kRun{
           ->capture_default_str();
       app.add_flag("--exact", o->exact,
                    "fast_math off: exact expf and division in the activation (default: fast_math on)");
+      app.add_option("--precision", o->precision,
+                     "Expert GEMMs: exact (the contract) or fp8 (the FP8 mode of docs/numerics.md: "
+                     "the cpu backend computes it; sm90 does not yet)")
+          ->check(CLI::IsMember({"exact", "fp8"}))
+          ->capture_default_str();
       app.add_option("--seed", o->seed, "Seed of weights, routing and activations")
           ->check(kUnsignedInteger)
           ->capture_default_str();

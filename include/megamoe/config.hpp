@@ -38,6 +38,16 @@ enum class RowsHintMode : uint8_t {
 RowsHintMode parse_rows_hint_mode(std::string_view name);
 const char* to_string(RowsHintMode mode);
 
+// What the expert GEMMs compute (docs/numerics.md).
+enum class Precision : uint8_t {
+  kExact,  // the contract (numerics.md sections 3 and 6): exact products, FP32 sums; the default
+  kFp8,    // "FP8 mode": token rows and weight rows rebased to E4M3 with one power of two per row
+           // (numerics.md "FP8 mode"); the cpu backend computes it, sm90 not yet (its GEMMs do)
+};
+// "exact" | "fp8"; throws kInvalidArgument naming the valid values.
+Precision parse_precision(std::string_view name);
+const char* to_string(Precision precision);
+
 // Options of the Hopper (sm90) backend, explicit per layer (the CPU backend ignores them; the
 // CLI maps flags onto them). Every value computes the same function: the tile changes only the
 // order of the FP32 sums, the launch mode nothing.
@@ -56,6 +66,7 @@ struct LayerConfig {
   int64_t max_tokens_per_rank = 8192;    // capacity: T above it is an error, never a drop
   Activation activation = Activation::swiglu();
   bool fast_math = true;                 // numerics.md section 4
+  Precision precision = Precision::kExact;  // what the expert GEMMs compute
   Sm90Options sm90;                      // Hopper backend options
   // GPU backends report invalid expert ids found on the device at the next call or at
   // check_errors(); true makes every call wait for the device and report them at once (a

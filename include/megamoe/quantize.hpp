@@ -58,4 +58,12 @@ void dequantize_fp8(const uint8_t* q, const uint8_t* sf, int64_t rows, int64_t c
 void dequantize_mxfp4(const uint8_t* packed, const uint8_t* sf, int64_t rows, int64_t cols,
                       float* out);
 
+// FP8 mode (docs/numerics.md "FP8 mode"), in place on dequantized rows.
+// Token rows: vals [rows, cols] = code x 2^(sf - 127) per 32 -> e4m3(code x 2^(sf - s_max)) x
+// 2^(s_max - 127), s_max the row's largest scale byte (one power of two per row).
+void fp8_mode_rebase_rows(float* vals, const uint8_t* sf, int64_t rows, int64_t cols);
+// Weight rows: w [rows, cols] = E2M1 x 2^(sf - 127) per 32 -> e4m3(E2M1 x 2^(sf - s_max + 1)) x
+// 2^(s_max - 128), s_max the row's largest scale byte.
+void fp8_mode_fold_weights(float* w, const uint8_t* sf, int64_t rows, int64_t cols);
+
 }  // namespace megamoe

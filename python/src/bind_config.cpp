@@ -37,8 +37,8 @@ std::string config_repr(const LayerConfig& c) {
   return detail::concat("LayerConfig(shape=", c.shape.to_string(), ", activation='",
                         c.activation.to_string(), "', ep_size=", c.ep_size, ", ep_rank=", c.ep_rank,
                         ", max_tokens_per_rank=", c.max_tokens_per_rank,
-                        ", fast_math=", c.fast_math ? "True" : "False", ", gemm_tile='",
-                        c.sm90.gemm_tile, "')");
+                        ", fast_math=", c.fast_math ? "True" : "False", ", precision='",
+                        to_string(c.precision), "', gemm_tile='", c.sm90.gemm_tile, "')");
 }
 
 }  // namespace
@@ -121,7 +121,7 @@ void register_config(nb::module_& m) {
           [](LayerConfig* self, const ShapeArg& shape, std::optional<ActivationArg> activation,
              int ep_size, int ep_rank, int64_t max_tokens_per_rank, bool fast_math,
              const std::string& gemm_tile, bool programmatic_launch, const std::string& rows_hint,
-             bool sync_error_check) {
+             bool sync_error_check, const std::string& precision) {
             LayerConfig c;
             c.shape = to_shape(shape);
             if (activation) {
@@ -137,6 +137,7 @@ void register_config(nb::module_& m) {
             c.sm90.programmatic_launch = programmatic_launch;
             c.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
             c.sync_error_check = sync_error_check;
+            c.precision = parse_precision(precision);
             c.validate();
             new (self) LayerConfig(c);
           },
@@ -144,7 +145,7 @@ void register_config(nb::module_& m) {
           nb::arg("ep_rank") = 0, nb::arg("max_tokens_per_rank") = 8192,
           nb::arg("fast_math") = true, nb::arg("gemm_tile") = "auto",
           nb::arg("programmatic_launch") = true, nb::arg("rows_hint") = "gated",
-          nb::arg("sync_error_check") = false,
+          nb::arg("sync_error_check") = false, nb::arg("precision") = "exact",
           "shape: a LayerShape or a preset name ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b', "
           "'small'). activation: an Activation or a spec string; None takes the preset's "
           "activation when shape is a name, else 'swiglu'. gemm_tile, programmatic_launch, "
@@ -152,7 +153,9 @@ void register_config(nb::module_& m) {
           "`megamoe bench --list-tiles`; programmatic dependent launch; 'gated', 'bound' or "
           "'expected'). sync_error_check: GPU layers wait for every call and raise invalid expert "
           "ids at once (debugging; not under CUDA-graph capture); by default they raise them at "
-          "the next call or at MoELayer.check_errors(). Validated on construction.")
+          "the next call or at MoELayer.check_errors(). precision: 'exact' (the contract) or 'fp8' "
+          "(the FP8 mode of docs/numerics.md: the cpu backend computes it; sm90 raises "
+          "UnsupportedError until its layer runs it). Validated on construction.")
       .def_rw("shape", &LayerConfig::shape)
       .def_rw("activation", &LayerConfig::activation)
       .def_rw("ep_size", &LayerConfig::ep_size)
@@ -169,6 +172,9 @@ void register_config(nb::module_& m) {
       .def_prop_rw(
           "rows_hint", [](const LayerConfig& c) { return std::string(to_string(c.sm90.rows_hint)); },
           [](LayerConfig& c, const std::string& v) { c.sm90.rows_hint = parse_rows_hint_mode(v); })
+      .def_prop_rw(
+          "precision", [](const LayerConfig& c) { return std::string(to_string(c.precision)); },
+          [](LayerConfig& c, const std::string& v) { c.precision = parse_precision(v); })
       .def_prop_ro("num_local_experts", &LayerConfig::num_local_experts)
       .def_prop_ro("first_local_expert", &LayerConfig::first_local_expert)
       .def("validate", &LayerConfig::validate)

@@ -6,6 +6,7 @@
 // that group scale to (almost always) zero. docs/numerics.md lists every such reading.
 #include "megamoe/quantize.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "megamoe/error.hpp"
@@ -102,6 +103,34 @@ void dequantize_fp8(const uint8_t* q, const uint8_t* sf, int64_t rows, int64_t c
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c)
       out[r * cols + c] = e4m3_to_f32(q[r * cols + c]) * ue8m0_to_f32(sf[r * groups + c / kScaleBlock]);
+}
+
+namespace {
+
+// vals [rows, cols] -> e4m3(v x 2^(bias - s_max)) x 2^(s_max - bias) per row.
+void round_rows_to_e4m3(float* vals, const uint8_t* sf, int64_t rows, int64_t cols, int bias) {
+  const int64_t groups = cols / kScaleBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    int s_max = 0;
+    for (int64_t g = 0; g < groups; ++g) s_max = std::max(s_max, static_cast<int>(sf[r * groups + g]));
+    float* row = vals + r * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = std::ldexp(row[c], bias - s_max);  // a power of two: exact (or 0 far down)
+      row[c] = std::ldexp(e4m3_to_f32(e4m3_from_f32(v)), s_max - bias);
+    }
+  }
+}
+
+}  // namespace
+
+void fp8_mode_rebase_rows(float* vals, const uint8_t* sf, int64_t rows, int64_t cols) {
+  check_cols("fp8_mode_rebase_rows", rows, cols);
+  round_rows_to_e4m3(vals, sf, rows, cols, 127);
+}
+
+void fp8_mode_fold_weights(float* w, const uint8_t* sf, int64_t rows, int64_t cols) {
+  check_cols("fp8_mode_fold_weights", rows, cols);
+  round_rows_to_e4m3(w, sf, rows, cols, 128);
 }
 
 void dequantize_mxfp4(const uint8_t* packed, const uint8_t* sf, int64_t rows, int64_t cols,

@@ -70,6 +70,20 @@ std::vector<std::string> shape_preset_names() {
   return names;
 }
 
+Precision parse_precision(std::string_view name) {
+  if (name == "exact") return Precision::kExact;
+  if (name == "fp8") return Precision::kFp8;
+  fail(ErrorCode::kInvalidArgument, "precision: expected exact or fp8, got '", name, "'");
+}
+
+const char* to_string(Precision precision) {
+  switch (precision) {
+    case Precision::kExact: return "exact";
+    case Precision::kFp8: return "fp8";
+  }
+  return "?";
+}
+
 RowsHintMode parse_rows_hint_mode(std::string_view name) {
   if (name == "gated") return RowsHintMode::kGated;
   if (name == "bound") return RowsHintMode::kBound;
@@ -93,6 +107,9 @@ void LayerConfig::validate() const {
   MEGAMOE_CHECK_ARG(tile.mode != sm90::TileRequest::Mode::kForced || !sm90::tile_config(tile.tile).fp8(),
                     "config: sm90.gemm_tile: '", sm90.gemm_tile, "' is an FP8-mode tile; the layer "
                     "runs the exact mode (the FP8 mode exists in the GEMMs only, docs/numerics.md)");
+  MEGAMOE_CHECK_ARG(static_cast<unsigned>(precision) <= static_cast<unsigned>(Precision::kFp8),
+                    "config: precision: expected exact or fp8, got value ",
+                    static_cast<int>(precision));
   constexpr auto kLastRowsHint = static_cast<unsigned>(RowsHintMode::kExpected);
   MEGAMOE_CHECK_ARG(static_cast<unsigned>(sm90.rows_hint) <= kLastRowsHint,
                     "config: sm90.rows_hint: expected gated, bound or expected, got value ",

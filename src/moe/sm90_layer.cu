@@ -179,6 +179,8 @@ Sm90Layer::Sm90Layer(const LayerConfig& config, const MoeWeights* prepared,
 
 void Sm90Layer::init_workspace() {
   config_.validate();
+  MEGAMOE_CHECK(config_.precision == Precision::kExact, ErrorCode::kUnsupported,
+                "Sm90Layer: precision fp8 is not run by the sm90 layer yet (issue 31)");
   tile_ = parse_tile_request(config_.sm90.gemm_tile);
   programmatic_ = config_.sm90.programmatic_launch;
   device_ = cuda::current_device();

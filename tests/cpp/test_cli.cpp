@@ -63,6 +63,29 @@ TEST_F(ModelCli, FastMathFlagIsTakenAndReported) {
   EXPECT_NE(r.output.find("fast_math on"), std::string::npos) << r.output;
 }
 
+// The FP8 mode (docs/numerics.md) on the cpu backend: the example model keeps its gate, `run`
+// passes its check against the FP64 ideal and reports the mode; a wrong value is refused.
+TEST_F(ModelCli, Fp8PrecisionPassesTheGateOnTheCpu) {
+  const CliResult r = run_cli("model --backend cpu --precision fp8 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["precision"], "fp8");
+  EXPECT_EQ(j["total"], 200);
+  EXPECT_GE(j["accuracy"].get<double>(), 0.95) << r.output;
+}
+
+TEST_F(Cli, RunTakesThePrecision) {
+  const CliResult r = run_cli("run --shape small --tokens 32 --backend cpu --precision fp8 --json "
+                              "--iters 1 --warmup 0");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["precision"], "fp8");
+  EXPECT_EQ(j["check"]["pass"], true) << r.output;
+  const CliResult bad = run_cli("run --shape small --tokens 8 --backend cpu --precision bf16");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("--precision"), std::string::npos) << bad.output;
+}
+
 TEST_F(Cli, JsonRunWithOptions) {
   const CliResult r = run_cli(
       "run --json --tokens 24 --activation situ:beta=3,linear_beta=20 --exact --routing skewed "

@@ -3,10 +3,12 @@
 // parallelism and determinism across thread counts.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -96,6 +98,84 @@ TEST(Reference, MatchesIdealOnEveryShape) {
       }
     }
   }
+}
+
+// The FP8 mode (docs/numerics.md "FP8 mode"; issue 31's bar: diff against the FP64 ideal at most
+// 1.5x the exact mode's), on every scaled shape and routing, with the weights' scales widened by
+// up to +-12 binades per group in one run (rows whose groups fall below the 9-binade window).
+TEST(Reference, Fp8ModeStaysWithinTheIssueBar) {
+  for (const Case& c : scaled_cases()) {
+    for (RoutingKind routing : {RoutingKind::kUniform, RoutingKind::kSkewed}) {
+      for (int spread : {0, 12}) {
+        const uint64_t seed = 9;
+        LayerConfig cfg = make_config(c, false);
+        MoeWeights w = synthetic_weights(cfg, seed, c.bias);
+        if (spread > 0) {
+          std::mt19937 rng(seed);
+          for (Buffer* sf : {&w.w13_sf, &w.w2_sf}) {
+            uint8_t* b = sf->as<uint8_t>();
+            for (int64_t i = 0; i < sf->size(); ++i)
+              b[i] = static_cast<uint8_t>(std::clamp(int(b[i]) - spread + int(rng() % (2 * spread + 1)), 1, 254));
+          }
+        }
+        const Routing r = make_routing(routing, c.tokens, c.shape.num_experts, c.shape.top_k, seed);
+        const auto x = synthetic_activations(c.tokens, c.shape.hidden, seed);
+        std::vector<uint16_t> exact(x.size()), fp8(x.size());
+        std::vector<double> ideal(x.size());
+        reference_forward(cfg, w, x.data(), r.topk_idx.data(), r.topk_weights.data(), c.tokens,
+                          exact.data());
+        cfg.precision = Precision::kFp8;
+        reference_forward(cfg, w, x.data(), r.topk_idx.data(), r.topk_weights.data(), c.tokens,
+                          fp8.data());
+        ideal_forward(cfg, w, x.data(), r.topk_idx.data(), r.topk_weights.data(), c.tokens,
+                      ideal.data());
+        const DiffReport e = compare_output(cfg, exact.data(), ideal.data(), r.topk_idx.data(), c.tokens);
+        const DiffReport f = compare_output(cfg, fp8.data(), ideal.data(), r.topk_idx.data(), c.tokens);
+        int64_t differ = 0;
+        for (size_t i = 0; i < x.size(); ++i) differ += exact[i] != fp8[i];
+        const std::string what = describe(c, routing, seed, cfg) + " spread +-" + std::to_string(spread);
+        std::printf("  %-80s exact %.3e  fp8 %.3e (%.4fx)  outputs differing %lld of %zu\n",
+                    what.c_str(), e.diff, f.diff, f.diff / e.diff, static_cast<long long>(differ),
+                    x.size());
+        EXPECT_LE(f.diff, 1.5 * e.diff) << what;
+        EXPECT_LE(f.worst_row_diff, 1.5 * e.worst_row_diff + 1e-4) << what;
+        if (spread > 0) EXPECT_GT(differ, 0) << what << ": the rebasing must round somewhere";
+      }
+    }
+  }
+}
+
+// Its row operations: exact while every group stays in E4M3's window, rounded below it.
+TEST(Reference, Fp8ModeRowRebasingAndWeightFolding) {
+  // A token row of two groups with codes 448 and 1.5 at scales 2^0 and 2^-gap: rebased to the
+  // row's scale the second group's code becomes 1.5 x 2^-gap, exact for gap 3 (a normal E4M3),
+  // below half of E4M3's smallest subnormal (2^-9) for gap 12: zero.
+  std::vector<float> row(64);
+  for (int gap : {3, 12}) {
+    const uint8_t sf[2] = {static_cast<uint8_t>(127), static_cast<uint8_t>(127 - gap)};
+    for (int c = 0; c < 32; ++c) row[c] = 448.0f;
+    for (int c = 32; c < 64; ++c) row[c] = std::ldexp(1.5f, -gap);
+    std::vector<float> out = row;
+    fp8_mode_rebase_rows(out.data(), sf, 1, 64);
+    EXPECT_EQ(out[0], 448.0f);
+    if (gap == 3) EXPECT_EQ(out[40], row[40]) << "within the window: exact";
+    else EXPECT_EQ(out[40], 0.0f) << "below the window: rounded to zero";
+  }
+  // Weights: E2M1 x 2^(s - 127); the fold keeps groups within 9 binades of the row's largest.
+  std::vector<float> w(64);
+  for (int gap : {9, 11}) {
+    const uint8_t sf[2] = {static_cast<uint8_t>(120), static_cast<uint8_t>(120 - gap)};
+    for (int c = 0; c < 32; ++c) w[c] = std::ldexp(6.0f, 120 - 127);
+    for (int c = 32; c < 64; ++c) w[c] = std::ldexp(0.5f, 120 - gap - 127);
+    std::vector<float> out = w;
+    fp8_mode_fold_weights(out.data(), sf, 1, 64);
+    EXPECT_EQ(out[0], w[0]);
+    if (gap == 9) EXPECT_EQ(out[40], w[40]) << "0.5 x 2^-8 folded: E4M3's smallest subnormal";
+    else EXPECT_EQ(out[40], 0.0f) << "0.5 x 2^-10 folded: below E4M3, rounded to zero";
+  }
+  EXPECT_EQ(parse_precision("fp8"), Precision::kFp8);
+  EXPECT_STREQ(to_string(Precision::kExact), "exact");
+  expect_error([] { (void)parse_precision("bf16"); }, ErrorCode::kInvalidArgument, "expected exact or fp8");
 }
 
 // ---------------------------------------------------------------------------------------------

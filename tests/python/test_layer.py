@@ -356,3 +356,37 @@ def test_hopper_options_are_layer_options():
     # A CPU layer takes them (they only concern the Hopper backend) and has nothing to check.
     layer = megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, 1), backend="cpu")
     layer.check_errors()
+
+
+# ------------------------------------------------------------------------------------------------
+# The FP8 mode (docs/numerics.md "FP8 mode") on the cpu backend
+# ------------------------------------------------------------------------------------------------
+def test_fp8_precision_on_the_cpu_backend():
+    cfg = tiny_config("swiglu")
+    assert cfg.precision == "exact" and "precision='exact'" in repr(cfg)
+    fp8 = tiny_config("swiglu")
+    fp8.precision = "fp8"
+    assert "precision='fp8'" in repr(fp8)
+    x, idx, w = make_inputs(cfg, 19, seed=4)
+    weights = megamoe.synthetic_weights(cfg, 12)
+    y_exact = megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, 12), "cpu").forward(x, idx, w)
+    y_fp8 = megamoe.MoELayer(fp8, weights, "cpu").forward(x, idx, w)
+    assert _bits_equal(megamoe.reference_forward(fp8, megamoe.synthetic_weights(cfg, 12), x, idx, w),
+                       y_fp8), "the layer is the reference in either precision"
+    ideal = megamoe.ideal_forward(cfg, megamoe.synthetic_weights(cfg, 12), x, idx, w)
+    d_exact = megamoe.compare_output(cfg, y_exact, ideal, idx)["diff"]
+    d_fp8 = megamoe.compare_output(fp8, y_fp8, ideal, idx)["diff"]
+    assert d_fp8 <= 1.5 * d_exact, (d_fp8, d_exact)
+    with pytest.raises(megamoe.InvalidArgumentError, match="expected exact or fp8"):
+        megamoe.LayerConfig("small", precision="bf16")
+    with pytest.raises(megamoe.InvalidArgumentError, match="expected exact or fp8"):
+        fp8.precision = "int4"
+
+
+def test_fp8_precision_is_refused_by_the_sm90_backend():
+    if "sm90" not in megamoe.available_backends():
+        pytest.skip("no sm90 backend here: its refusal of the FP8 mode needs one")
+    cfg = tiny_config("swiglu")
+    cfg.precision = "fp8"
+    with pytest.raises(megamoe.UnsupportedError, match="precision fp8"):
+        megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, 1), "sm90")

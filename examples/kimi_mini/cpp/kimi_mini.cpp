@@ -484,6 +484,7 @@ KimiMiniModel KimiMiniModel::load(const std::string& path, const ModelOptions& o
   lc.activation = Activation::situ(static_cast<float>(c.situ_beta),
                                    static_cast<float>(c.situ_linear_beta));
   lc.fast_math = options.fast_math;
+  lc.precision = options.precision;
   lc.ep_size = ep_size;
   // A call's tokens are split over the ranks, ceil(n / R) each at most.
   lc.max_tokens_per_rank = (impl->capacity + ep_size - 1) / ep_size;
