@@ -12,6 +12,7 @@
 #include "sm90/sm90_combine.cuh"
 #include "sm90/sm90_gather.cuh"
 #include "sm90/sm90_quantize_input.cuh"
+#include "sm90/sm90_rebase_rows.cuh"
 #include "sm90/sm90_dispatch.cuh"
 
 namespace megamoe::sm90 {
@@ -38,6 +39,7 @@ void check_aligned(const char* arg, const void* ptr, int64_t alignment) {
 void load_stage_kernels() {
   cudaFuncAttributes a{};
   MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_quantize_input_bf16_e4m3_kernel));
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_rebase_rows_e4m3_kernel));
   MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_dispatch_topk_kernel));
   MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_gather_dequant_e4m3_bf16_kernel));
   MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_combine_topk_bf16_kernel));
@@ -127,6 +129,23 @@ void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_o
                kGatherBlockThreads, 0, stream, programmatic, x_q, x_sf, row_offsets, row_slot,
                static_cast<int32_t>(num_local), static_cast<uint32_t>(top_k),
                static_cast<uint32_t>(hidden), max_rows, act);
+}
+
+void launch_rebase_rows_e4m3(const uint8_t* q, const uint8_t* sf, const int32_t* row_offsets,
+                             const int32_t* row_slot, int64_t num_local, int64_t top_k,
+                             int64_t cols, int64_t max_rows, uint8_t* dst, float* factor,
+                             cudaStream_t stream, bool programmatic) {
+  MEGAMOE_CHECK_ARG(cols > 0 && cols % kScaleBlock == 0,
+                    "rebase_rows_e4m3: expected cols a positive multiple of ", kScaleBlock, ", got ", cols);
+  MEGAMOE_CHECK_ARG(top_k >= 0 && (top_k == 0 || row_slot != nullptr),
+                    "rebase_rows_e4m3: expected top_k >= 0 (and row_slot with top_k > 0), got ", top_k);
+  if (max_rows == 0) return;
+  check_aligned("rebase_rows_e4m3 q", q, 16);
+  check_aligned("rebase_rows_e4m3 dst", dst, 16);
+  cuda::launch(sm90_rebase_rows_e4m3_kernel,
+               grid_for(max_rows * 32, kRebaseBlockThreads), kRebaseBlockThreads, 0, stream,
+               programmatic, q, sf, row_offsets, row_slot, static_cast<int32_t>(num_local),
+               static_cast<uint32_t>(top_k), static_cast<uint32_t>(cols), max_rows, dst, factor);
 }
 
 void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num_tokens,

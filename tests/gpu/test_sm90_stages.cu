@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "megamoe/formats.hpp"
 #include "megamoe/quantize.hpp"
+#include "layout/sm90_weight_layout.hpp"
 #include "moe/sm90_stages.hpp"
 #include "sm90_test_util.hpp"
 
@@ -244,6 +247,71 @@ TEST(Sm90Stages, GatherDequantizesRoutedRowsExactly) {
     }
     EXPECT_EQ(bad, 0) << "T=" << c.tokens << " H=" << c.hidden << " E=" << c.num_experts
                       << " rows=" << rows;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 mode: E4M3 token rows rebased per row (docs/numerics.md "FP8 mode"), against the host's
+// fp8_mode_rebase_rows and the slot permutation, byte for byte; gathered (top_k > 0) and direct
+// (top_k = 0) rows; scale spreads of 0..24 binades within a row (rounding below the window).
+// ---------------------------------------------------------------------------------------------
+TEST(Sm90Stages, RebaseRowsE4m3MatchesTheHostByteForByte) {
+  MEGAMOE_REQUIRE_SM90();
+  struct Case { int64_t tokens, hidden, num_experts, top_k; int spread; };
+  const Case cases[] = {{7, 1024, 32, 4, 0}, {300, 7168, 256, 8, 12}, {64, 3584, 896, 16, 24},
+                        {50, 2048, 16, 0, 6}};
+  uint64_t seed = 300;
+  for (const Case& c : cases) {
+    const auto x = test::make_inputs(c.tokens, c.hidden, seed);
+    std::vector<uint8_t> xq(x.size()), xsf(x.size() / kScaleBlock);
+    quantize_input(x.data(), c.tokens, c.hidden, xq.data(), xsf.data());
+    std::mt19937 rng(static_cast<uint32_t>(seed++));
+    for (auto& b : xsf) {
+      if (c.spread > 0) b = static_cast<uint8_t>(std::clamp(int(b) - int(rng() % (c.spread + 1)), 1, 254));
+    }
+    const int64_t k = std::max<int64_t>(c.top_k, 1);
+    std::vector<int32_t> row_slot(c.tokens * k), offsets = {0, static_cast<int32_t>(c.tokens * k)};
+    for (int64_t r = 0; r < c.tokens * k; ++r) row_slot[r] = static_cast<int32_t>((r * 7919) % (c.tokens * k));
+    const int64_t rows = c.top_k > 0 ? c.tokens * k : c.tokens;
+    offsets[1] = static_cast<int32_t>(rows);
+    DeviceArray<uint8_t> dq(xq), dsf(xsf);
+    DeviceArray<int32_t> doff(offsets), drs(row_slot);
+    DeviceArray<uint8_t> dst(rows * c.hidden + 64);
+    DeviceArray<float> fac(rows + 1);
+    dst.fill_bytes(0xA5);
+    launch_rebase_rows_e4m3(dq.get(), dsf.get(), doff.get(), drs.get(), 1, c.top_k, c.hidden, rows,
+                            dst.get(), fac.get(), nullptr);
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = dst.download(rows * c.hidden);
+    const auto got_f = fac.download(rows);
+    int64_t bad = 0, bad_f = 0, rounded = 0;
+    std::vector<float> vals(c.hidden);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = c.top_k > 0 ? row_slot[r] / c.top_k : r;
+      const uint8_t* sf = xsf.data() + t * (c.hidden / kScaleBlock);
+      dequantize_fp8(xq.data() + t * c.hidden, sf, 1, c.hidden, vals.data());
+      std::vector<float> before = vals;
+      fp8_mode_rebase_rows(vals.data(), sf, 1, c.hidden);
+      int s_max = 0;
+      for (int64_t g = 0; g < c.hidden / kScaleBlock; ++g) s_max = std::max(s_max, int(sf[g]));
+      const float f = std::ldexp(1.0f, s_max - 127);
+      bad_f += got_f[r] != f;
+      for (int64_t i = 0; i < c.hidden; ++i) {
+        rounded += vals[i] != before[i];
+        const int64_t slot = i / 32 * 32 + sm90_layout::fp8_row_slot(static_cast<int>(i % 32));
+        const uint8_t code = got[r * c.hidden + slot];
+        const float want = vals[i] / f;
+        const float have = e4m3_to_f32(code);
+        if (!(have == want || (std::isnan(have) && std::isnan(want))) && ++bad <= 5)
+          ADD_FAILURE() << "row " << r << " col " << i << ": code " << int(code) << " = " << have
+                        << ", expected " << want;
+      }
+    }
+    std::printf("[rebase] T=%lld H=%lld top_k=%lld spread %d: rows %lld, values rounded below the "
+                "window %lld\n", (long long)c.tokens, (long long)c.hidden, (long long)c.top_k,
+                c.spread, (long long)rows, (long long)rounded);
+    EXPECT_EQ(bad, 0);
+    EXPECT_EQ(bad_f, 0);
   }
 }
 
