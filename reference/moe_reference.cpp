@@ -67,7 +67,7 @@ void run_l1(const LayerConfig& config, const MoeWeights& weights, const RoutingP
   const int64_t h_groups = d.h / kScaleBlock;
   const int64_t i_groups = d.inter / kScaleBlock;
   h.assign(static_cast<size_t>(plan.num_rows() * d.inter), 0.0f);
-  const bool fp8 = config.precision == Precision::kFp8;
+  const bool fp8 = config.fp8_for_tokens(plan.num_tokens);
   // FP8 mode: each row's scale bytes, to rebase the whole row once every item has written it.
   std::vector<uint8_t> h_sf_rows(fp8 ? static_cast<size_t>(plan.num_rows() * i_groups) : 0);
   const auto* w13 = weights.w13.as<uint8_t>();
@@ -171,7 +171,7 @@ void run_l2_combine(const LayerConfig& config, const MoeWeights& weights, const 
       const int64_t w_row = it.expert * d.h + n0;
       dequantize_mxfp4(w2 + w_row * (d.inter / 2), w2_sf + w_row * i_groups, n, d.inter,
                        w_tile.data());
-      if (config.precision == Precision::kFp8) {
+      if (config.fp8_for_tokens(plan.num_tokens)) {
         fp8_mode_fold_weights(w_tile.data(), w2_sf + w_row * i_groups, n, d.inter);
       }
       reference_detail::dot_tile(w_tile.data(), n, h_rows.data(), num_rows, d.inter,
@@ -242,7 +242,7 @@ void dequantize_input(const LayerConfig& config, const Dims& d, const uint8_t* x
     const int64_t n = std::min(kQuantChunkTokens, num_tokens - t0);
     const uint8_t* sf = x_sf + t0 * (d.h / kScaleBlock);
     dequantize_fp8(x_q + t0 * d.h, sf, n, d.h, x_f.data() + t0 * d.h);
-    if (config.precision == Precision::kFp8) fp8_mode_rebase_rows(x_f.data() + t0 * d.h, sf, n, d.h);
+    if (config.fp8_for_tokens(num_tokens)) fp8_mode_rebase_rows(x_f.data() + t0 * d.h, sf, n, d.h);
   });
 }
 
@@ -315,7 +315,7 @@ void reference_l2_combine(const LayerConfig& config, const MoeWeights& weights,
     const int64_t slot = plan.row_slot[r];
     dequantize_fp8(h_q + slot * d.inter, h_sf + slot * i_groups, 1, d.inter,
                    h.data() + r * d.inter);
-    if (config.precision == Precision::kFp8) {
+    if (config.fp8_for_tokens(num_tokens)) {
       fp8_mode_rebase_rows(h.data() + r * d.inter, h_sf + slot * i_groups, 1, d.inter);
     }
   });

@@ -35,6 +35,7 @@ struct ModelCmdOptions {
   int threads = 0;
   bool fast_math = false;
   std::string precision = "exact";
+  int64_t fp8_min_rows = LayerConfig{}.fp8_min_rows_per_expert;
   int ep_size = 1;
   double gate = model::kAccuracyGate;
   bool json = false;
@@ -56,6 +57,7 @@ int run_model(const ModelCmdOptions& o) {
   mo.backend = o.backend;
   mo.fast_math = o.fast_math;
   mo.precision = parse_precision(o.precision);
+  mo.fp8_min_rows_per_expert = o.fp8_min_rows;
   mo.ep_size = o.ep_size;
   model::KimiMiniModel m = model::KimiMiniModel::load(dir, mo);
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -149,6 +151,11 @@ CommandMain setup_model_command(CLI::App& app) {
                  "MoE GEMMs: exact (the contract) or fp8 (the FP8 mode of docs/numerics.md; the cpu "
                  "backend computes it, sm90 does not yet)")
       ->check(CLI::IsMember({"exact", "fp8"}))
+      ->capture_default_str();
+  app.add_option("--fp8-min-rows", o->fp8_min_rows,
+                 "With --precision fp8: the FP8 mode for calls with at least this many routed rows "
+                 "per expert on average (T*K/E), the exact mode below; 0 = every call")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--ep-size", o->ep_size,
                  "Spread each MoE layer's experts over R virtual EP ranks on the GPU (sm90 "

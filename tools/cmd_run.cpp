@@ -50,6 +50,7 @@ struct RunOptions {
   std::string backend = "auto";
   bool exact = false;
   std::string precision = "exact";
+  int64_t fp8_min_rows = LayerConfig{}.fp8_min_rows_per_expert;
   uint64_t seed = 0;
   int ep_size = 1;
   int ep_rank = 0;
@@ -171,6 +172,7 @@ RunSetup setup_run(const RunOptions& o) {
   cfg.activation = o.activation.empty() ? activation_preset(o.shape) : Activation::parse(o.activation);
   cfg.fast_math = !o.exact;
   cfg.precision = parse_precision(o.precision);
+  cfg.fp8_min_rows_per_expert = o.fp8_min_rows;
   cfg.ep_size = o.ep_size;
   cfg.ep_rank = o.ep_rank;
   MEGAMOE_CHECK_ARG(o.tokens >= 0, "--tokens must be >= 0, got ", o.tokens);
@@ -672,6 +674,11 @@ const Command kRun{
                      "Expert GEMMs: exact (the contract) or fp8 (the FP8 mode of docs/numerics.md: "
                      "the cpu backend computes it; sm90 does not yet)")
           ->check(CLI::IsMember({"exact", "fp8"}))
+          ->capture_default_str();
+      app.add_option("--fp8-min-rows", o->fp8_min_rows,
+                     "With --precision fp8: the FP8 mode for calls with at least this many routed "
+                     "rows per expert on average (T*K/E), the exact mode below; 0 = every call")
+          ->check(CLI::NonNegativeNumber)
           ->capture_default_str();
       app.add_option("--seed", o->seed, "Seed of weights, routing and activations")
           ->check(kUnsignedInteger)

@@ -67,6 +67,10 @@ struct LayerConfig {
   Activation activation = Activation::swiglu();
   bool fast_math = true;                 // numerics.md section 4
   Precision precision = Precision::kExact;  // what the expert GEMMs compute
+  // With precision fp8: a call runs the FP8 mode when its tokens give at least this many routed
+  // rows per expert on average (T * K / E), the exact mode below (where the FP8 tiles are slower:
+  // docs/perf.md "FP8 mode"); 0 = every call. Both backends apply the same rule (fp8_for_tokens).
+  int64_t fp8_min_rows_per_expert = 128;
   Sm90Options sm90;                      // Hopper backend options
   // GPU backends report invalid expert ids found on the device at the next call or at
   // check_errors(); true makes every call wait for the device and report them at once (a
@@ -74,6 +78,12 @@ struct LayerConfig {
   bool sync_error_check = false;
 
   int64_t num_local_experts() const { return shape.num_experts / ep_size; }
+  // Whether a call of num_tokens tokens (on this rank) runs the FP8 mode (precision and
+  // fp8_min_rows_per_expert).
+  bool fp8_for_tokens(int64_t num_tokens) const {
+    return precision == Precision::kFp8 &&
+           num_tokens * shape.top_k >= fp8_min_rows_per_expert * shape.num_experts;
+  }
   int64_t first_local_expert() const { return num_local_experts() * ep_rank; }
   void validate() const;                 // throws kInvalidArgument naming the field
 };

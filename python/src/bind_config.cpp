@@ -121,7 +121,8 @@ void register_config(nb::module_& m) {
           [](LayerConfig* self, const ShapeArg& shape, std::optional<ActivationArg> activation,
              int ep_size, int ep_rank, int64_t max_tokens_per_rank, bool fast_math,
              const std::string& gemm_tile, bool programmatic_launch, const std::string& rows_hint,
-             bool sync_error_check, const std::string& precision) {
+             bool sync_error_check, const std::string& precision,
+             int64_t fp8_min_rows_per_expert) {
             LayerConfig c;
             c.shape = to_shape(shape);
             if (activation) {
@@ -138,6 +139,7 @@ void register_config(nb::module_& m) {
             c.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
             c.sync_error_check = sync_error_check;
             c.precision = parse_precision(precision);
+            c.fp8_min_rows_per_expert = fp8_min_rows_per_expert;
             c.validate();
             new (self) LayerConfig(c);
           },
@@ -146,6 +148,7 @@ void register_config(nb::module_& m) {
           nb::arg("fast_math") = true, nb::arg("gemm_tile") = "auto",
           nb::arg("programmatic_launch") = true, nb::arg("rows_hint") = "gated",
           nb::arg("sync_error_check") = false, nb::arg("precision") = "exact",
+          nb::arg("fp8_min_rows_per_expert") = 128,
           "shape: a LayerShape or a preset name ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b', "
           "'small'). activation: an Activation or a spec string; None takes the preset's "
           "activation when shape is a name, else 'swiglu'. gemm_tile, programmatic_launch, "
@@ -154,8 +157,10 @@ void register_config(nb::module_& m) {
           "'expected'). sync_error_check: GPU layers wait for every call and raise invalid expert "
           "ids at once (debugging; not under CUDA-graph capture); by default they raise them at "
           "the next call or at MoELayer.check_errors(). precision: 'exact' (the contract) or 'fp8' "
-          "(the FP8 mode of docs/numerics.md: the cpu backend computes it; sm90 raises "
-          "UnsupportedError until its layer runs it). Validated on construction.")
+          "(the FP8 mode of docs/numerics.md, for calls with at least fp8_min_rows_per_expert routed "
+          "rows per expert on average, T * K / E; 0: every call): the cpu backend computes it, "
+          "sm90 raises UnsupportedError until its layer's FP8 path has run on a GPU. Validated on "
+          "construction.")
       .def_rw("shape", &LayerConfig::shape)
       .def_rw("activation", &LayerConfig::activation)
       .def_rw("ep_size", &LayerConfig::ep_size)
@@ -175,6 +180,9 @@ void register_config(nb::module_& m) {
       .def_prop_rw(
           "precision", [](const LayerConfig& c) { return std::string(to_string(c.precision)); },
           [](LayerConfig& c, const std::string& v) { c.precision = parse_precision(v); })
+      .def_rw("fp8_min_rows_per_expert", &LayerConfig::fp8_min_rows_per_expert)
+      .def("fp8_for_tokens", &LayerConfig::fp8_for_tokens, nb::arg("num_tokens"),
+           "Whether a call of num_tokens tokens runs the FP8 mode.")
       .def_prop_ro("num_local_experts", &LayerConfig::num_local_experts)
       .def_prop_ro("first_local_expert", &LayerConfig::first_local_expert)
       .def("validate", &LayerConfig::validate)

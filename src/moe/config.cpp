@@ -110,6 +110,8 @@ void LayerConfig::validate() const {
   MEGAMOE_CHECK_ARG(static_cast<unsigned>(precision) <= static_cast<unsigned>(Precision::kFp8),
                     "config: precision: expected exact or fp8, got value ",
                     static_cast<int>(precision));
+  MEGAMOE_CHECK_ARG(fp8_min_rows_per_expert >= 0,
+                    "config: fp8_min_rows_per_expert: expected >= 0, got ", fp8_min_rows_per_expert);
   constexpr auto kLastRowsHint = static_cast<unsigned>(RowsHintMode::kExpected);
   MEGAMOE_CHECK_ARG(static_cast<unsigned>(sm90.rows_hint) <= kLastRowsHint,
                     "config: sm90.rows_hint: expected gated, bound or expected, got value ",

@@ -66,6 +66,15 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   v.h_q = carver.take<uint8_t>(rows * inter);
   v.h_sf = carver.take<uint8_t>(rows * inter / kScaleBlock);
   v.h_act = carver.take<uint16_t>(rows * inter);
+  if (c.precision == Precision::kFp8) {
+    const int64_t e_l = c.num_local_experts();
+    v.act_fp8 = carver.take<uint8_t>(rows * h);
+    v.act_factor = carver.take<float>(rows);
+    v.h_fp8 = carver.take<uint8_t>(rows * inter);
+    v.h_factor = carver.take<float>(rows);
+    v.w13_row_exp = carver.take<uint8_t>(e_l * 2 * inter);
+    v.w2_row_exp = carver.take<uint8_t>(e_l * h);
+  }
   v.error = carver.take<DispatchError>(1);
   // Split-K partials and counters (decode launches with few tiles; the memset below zeroes the
   // counters once, every launch leaves them zero).
@@ -179,8 +188,14 @@ Sm90Layer::Sm90Layer(const LayerConfig& config, const MoeWeights* prepared,
 
 void Sm90Layer::init_workspace() {
   config_.validate();
-  MEGAMOE_CHECK(config_.precision == Precision::kExact, ErrorCode::kUnsupported,
-                "Sm90Layer: precision fp8 is not run by the sm90 layer yet (issue 31)");
+  if (config_.precision == Precision::kFp8) {
+    MEGAMOE_CHECK(ep_ == nullptr, ErrorCode::kUnsupported,
+                  "Sm90Layer: precision fp8 with an expert-parallel group is not wired yet (issue 31)");
+    MEGAMOE_CHECK(config_.shape.hidden % 128 == 0 && config_.shape.intermediate % 128 == 0,
+                  ErrorCode::kUnsupported, "Sm90Layer: precision fp8 needs H and I multiples of 128 "
+                  "(the FP8 tiles' two k-blocks per stage), got H ", config_.shape.hidden, " I ",
+                  config_.shape.intermediate);
+  }
   tile_ = parse_tile_request(config_.sm90.gemm_tile);
   programmatic_ = config_.sm90.programmatic_launch;
   device_ = cuda::current_device();
@@ -232,6 +247,13 @@ void Sm90Layer::init_workspace() {
   void* flag_dev = nullptr;
   MEGAMOE_CUDA_CHECK(cudaHostGetDevicePointer(&flag_dev, flag, 0));
   error_flag_dev_ = static_cast<int32_t*>(flag_dev);
+  if (config_.precision == Precision::kFp8) {  // the weights' row exponents, once
+    const int e_l = static_cast<int>(config_.num_local_experts());
+    const int64_t h = config_.shape.hidden, inter = config_.shape.intermediate;
+    weight_row_exponents(weights_->w13_sf.as<uint8_t>(), e_l, 2 * inter, h, view_.w13_row_exp, nullptr);
+    weight_row_exponents(weights_->w2_sf.as<uint8_t>(), e_l, h, inter, view_.w2_row_exp, nullptr);
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   // The scales decide between the GEMMs' overlapped tiles (one multiply per converted register,
   // scale bytes < 128) and the serial ones (any scale): read once here, not per call.
   w13_small_scales_ = scales_all_small(weights_->w13_sf.as<uint8_t>(), weights_->w13_sf.size(), nullptr);
@@ -242,7 +264,7 @@ Sm90Layer::~Sm90Layer() {
   if (error_flag_host_ != nullptr) cudaFreeHost(const_cast<int32_t*>(error_flag_host_));
 }
 
-L1Args Sm90Layer::l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl) const {
+L1Args Sm90Layer::l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8) const {
   L1Args l1;
   l1.num_experts = static_cast<int>(config_.num_local_experts());
   l1.hidden = config_.shape.hidden;
@@ -264,11 +286,17 @@ L1Args Sm90Layer::l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl) c
   l1.h_act = view_.h_act;
   l1.split_k = view_.split_k;
   l1.tile = tile_;
+  if (fp8) {  // the FP8 policy's tile (config.sm90.gemm_tile names exact-mode tiles)
+    l1.act_fp8 = view_.act_fp8;
+    l1.act_row_factor = view_.act_factor;
+    l1.w13_row_exp = view_.w13_row_exp;
+    l1.tile = TileRequest::automatic();
+  }
   l1.programmatic = pdl;
   return l1;
 }
 
-L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl) const {
+L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8) const {
   L2Args l2;
   l2.num_experts = static_cast<int>(config_.num_local_experts());
   l2.hidden = config_.shape.hidden;
@@ -286,6 +314,12 @@ L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl) c
   l2.out = view_.out;
   l2.split_k = view_.split_k;
   l2.tile = tile_;
+  if (fp8) {
+    l2.h_fp8 = view_.h_fp8;
+    l2.h_row_factor = view_.h_factor;
+    l2.w2_row_exp = view_.w2_row_exp;
+    l2.tile = TileRequest::automatic();
+  }
   l2.programmatic = pdl;
   return l2;
 }
@@ -333,15 +367,27 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   launch_dispatch(rp, stream, pdl);
   if (done(Stage::kDispatch)) return;
 
-  launch_gather(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local, s.top_k,
-                s.hidden, slots, view_.act, stream, pdl);
+  // FP8 mode (config.precision, per call: LayerConfig::fp8_for_tokens): L1's and L2's token rows
+  // are E4M3 rebased per row (launch_rebase_rows_e4m3) instead of BF16.
+  const bool fp8 = config_.fp8_for_tokens(num_tokens);
+  if (fp8) {
+    launch_rebase_rows_e4m3(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local,
+                            s.top_k, s.hidden, slots, view_.act_fp8, view_.act_factor, stream, pdl);
+  } else {
+    launch_gather(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local, s.top_k,
+                  s.hidden, slots, view_.act, stream, pdl);
+  }
   if (done(Stage::kGather)) return;
 
   const RowsHint rows = rows_hint(config_, num_tokens, slots);
-  launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl), stream);
+  launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
+  if (fp8) {
+    launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
+                            s.intermediate, slots, view_.h_fp8, view_.h_factor, stream, pdl);
+  }
   if (done(Stage::kL1)) return;
 
-  launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl), stream);
+  launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
   if (done(Stage::kL2)) return;
 
   launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream, pdl);

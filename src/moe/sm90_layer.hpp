@@ -61,6 +61,14 @@ struct WorkspaceView {
   uint8_t* h_q = nullptr;          // [rows, I]
   uint8_t* h_sf = nullptr;         // [rows, I/32]
   uint16_t* h_act = nullptr;       // [rows, I]
+  // FP8 mode (config.precision fp8; null otherwise): the E4M3 rows of the FP8 GEMM tiles and
+  // their row factors (launch_rebase_rows_e4m3), and the weights' row exponents.
+  uint8_t* act_fp8 = nullptr;      // [rows, H]
+  float* act_factor = nullptr;     // [rows]
+  uint8_t* h_fp8 = nullptr;        // [rows, I]
+  float* h_factor = nullptr;       // [rows]
+  uint8_t* w13_row_exp = nullptr;  // [E_l, 2I]
+  uint8_t* w2_row_exp = nullptr;   // [E_l, H]
   DispatchError* error = nullptr;
   SplitKWorkspace split_k;         // L1 and L2 in turn (one stream); counters zeroed once
 };
@@ -126,8 +134,9 @@ class Sm90Layer {
   void init_workspace();
   // The GEMMs' arguments of a call: the workspace, the weights and the layer's options, with the
   // policy's row estimates (L1Args).
-  L1Args l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl) const;
-  L2Args l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl) const;
+  // fp8: the call runs the FP8 mode (LayerConfig::fp8_for_tokens).
+  L1Args l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false) const;
+  L2Args l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false) const;
   void forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                   int64_t num_tokens, uint16_t* y, cudaStream_t stream);
 

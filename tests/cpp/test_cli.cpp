@@ -66,7 +66,7 @@ TEST_F(ModelCli, FastMathFlagIsTakenAndReported) {
 // The FP8 mode (docs/numerics.md) on the cpu backend: the example model keeps its gate, `run`
 // passes its check against the FP64 ideal and reports the mode; a wrong value is refused.
 TEST_F(ModelCli, Fp8PrecisionPassesTheGateOnTheCpu) {
-  const CliResult r = run_cli("model --backend cpu --precision fp8 --json");
+  const CliResult r = run_cli("model --backend cpu --precision fp8 --fp8-min-rows 0 --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);
   EXPECT_EQ(j["precision"], "fp8");
@@ -75,8 +75,8 @@ TEST_F(ModelCli, Fp8PrecisionPassesTheGateOnTheCpu) {
 }
 
 TEST_F(Cli, RunTakesThePrecision) {
-  const CliResult r = run_cli("run --shape small --tokens 32 --backend cpu --precision fp8 --json "
-                              "--iters 1 --warmup 0");
+  const CliResult r = run_cli("run --shape small --tokens 32 --backend cpu --precision fp8 "
+                              "--fp8-min-rows 0 --json --iters 1 --warmup 0");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);
   EXPECT_EQ(j["precision"], "fp8");

@@ -125,6 +125,7 @@ TEST(Reference, Fp8ModeStaysWithinTheIssueBar) {
         reference_forward(cfg, w, x.data(), r.topk_idx.data(), r.topk_weights.data(), c.tokens,
                           exact.data());
         cfg.precision = Precision::kFp8;
+        cfg.fp8_min_rows_per_expert = 0;  // every call (these have few rows per expert)
         reference_forward(cfg, w, x.data(), r.topk_idx.data(), r.topk_weights.data(), c.tokens,
                           fp8.data());
         ideal_forward(cfg, w, x.data(), r.topk_idx.data(), r.topk_weights.data(), c.tokens,
@@ -173,6 +174,18 @@ TEST(Reference, Fp8ModeRowRebasingAndWeightFolding) {
     if (gap == 9) EXPECT_EQ(out[40], w[40]) << "0.5 x 2^-8 folded: E4M3's smallest subnormal";
     else EXPECT_EQ(out[40], 0.0f) << "0.5 x 2^-10 folded: below E4M3, rounded to zero";
   }
+  // The per-call rule: FP8 from fp8_min_rows_per_expert routed rows per expert (T * K / E) on.
+  LayerConfig cfg;
+  cfg.shape = {1024, 512, 32, 4};
+  cfg.precision = Precision::kFp8;
+  EXPECT_FALSE(cfg.fp8_for_tokens(1023)) << "1023 * 4 / 32 < 128";
+  EXPECT_TRUE(cfg.fp8_for_tokens(1024));
+  cfg.fp8_min_rows_per_expert = 0;
+  EXPECT_TRUE(cfg.fp8_for_tokens(1));
+  cfg.precision = Precision::kExact;
+  EXPECT_FALSE(cfg.fp8_for_tokens(1 << 20));
+  cfg.fp8_min_rows_per_expert = -1;
+  EXPECT_THROW(cfg.validate(), Error);
   EXPECT_EQ(parse_precision("fp8"), Precision::kFp8);
   EXPECT_STREQ(to_string(Precision::kExact), "exact");
   expect_error([] { (void)parse_precision("bf16"); }, ErrorCode::kInvalidArgument, "expected exact or fp8");

@@ -393,6 +393,55 @@ TEST(Sm90Layer, SmallAllTokenCountsAndRoutings) {
     }
 }
 
+// FP8 mode (docs/numerics.md "FP8 mode"): Sm90Layer with precision fp8, on every call
+// (fp8_min_rows_per_expert 0) and by the default per-call rule, against the CPU's FP8 mode on the
+// same inputs (the FP8 tensor cores accumulate with fewer bits: a small diff, not bitwise) and
+// against the FP64 ideal (issue 31's bar: at most 1.5x the exact mode's diff).
+TEST(Sm90Layer, Fp8ModeAgainstTheCpuFp8ModeAndTheIdeal) {
+  MEGAMOE_REQUIRE_SM90();
+  struct Case { int64_t tokens; int64_t min_rows; Routing routing; };
+  const Case cases[] = {{64, 0, Routing::kUniform}, {513, 0, Routing::kSkewed},
+                        {2048, 128, Routing::kUniform}};
+  uint64_t seed = 900;
+  for (const Case& c : cases) {
+    LayerConfig cfg;
+    cfg.shape = shape_preset("small");
+    cfg.max_tokens_per_rank = kCapacity;
+    cfg.precision = Precision::kFp8;
+    cfg.fp8_min_rows_per_expert = c.min_rows;
+    ASSERT_TRUE(cfg.fp8_for_tokens(c.tokens));
+    const MoeWeights host = synthetic_weights(cfg, seed, false);
+    const auto x = test::make_inputs(c.tokens, cfg.shape.hidden, seed);
+    const auto r = test::make_routing(c.routing, c.tokens, cfg.shape.num_experts, cfg.shape.top_k,
+                                      seed, 0.05, 0);
+    Sm90Layer layer(cfg, synthetic_weights(cfg, seed, false));
+    DeviceArray<uint16_t> dx(x), dy(x.size());
+    DeviceArray<int32_t> didx(r.idx);
+    DeviceArray<float> dw(r.weights);
+    layer.forward(dx.get(), didx.get(), dw.get(), c.tokens, dy.get(), nullptr);
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto y = dy.download();
+    std::vector<uint16_t> y_fp8(x.size()), y_exact(x.size());
+    std::vector<double> ideal(x.size()), cpu_fp8(x.size());
+    reference_forward(cfg, host, x.data(), r.idx.data(), r.weights.data(), c.tokens, y_fp8.data());
+    LayerConfig exact = cfg;
+    exact.precision = Precision::kExact;
+    reference_forward(exact, host, x.data(), r.idx.data(), r.weights.data(), c.tokens, y_exact.data());
+    ideal_forward(cfg, host, x.data(), r.idx.data(), r.weights.data(), c.tokens, ideal.data());
+    for (size_t i = 0; i < y_fp8.size(); ++i) cpu_fp8[i] = bf16_to_f32(y_fp8[i]);
+    const DiffReport vs_cpu = compare_output(cfg, y.data(), cpu_fp8.data(), r.idx.data(), c.tokens);
+    const DiffReport gpu_ideal = compare_output(cfg, y.data(), ideal.data(), r.idx.data(), c.tokens);
+    const DiffReport exact_ideal = compare_output(cfg, y_exact.data(), ideal.data(), r.idx.data(), c.tokens);
+    std::printf("[ layer    ] fp8 small T=%lld: vs the CPU's FP8 mode diff %.2e (worst row %.2e); vs "
+                "ideal %.3e against the exact mode's %.3e (%.4fx)\n", (long long)c.tokens,
+                vs_cpu.diff, vs_cpu.worst_row_diff, gpu_ideal.diff, exact_ideal.diff,
+                gpu_ideal.diff / exact_ideal.diff);
+    EXPECT_LE(vs_cpu.diff, 1e-4) << "T=" << c.tokens;
+    EXPECT_LE(gpu_ideal.diff, 1.5 * exact_ideal.diff) << "T=" << c.tokens;
+    seed++;
+  }
+}
+
 // The small shape at T tokens with activation `act` (bias for swiglu_oai), uniform routing at
 // T = 64 and skewed otherwise, 10 % empty slots.
 LayerCase small_case(int64_t t, const char* act, bool fast_math, const char* gemm_tile = "auto") {

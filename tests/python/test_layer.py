@@ -367,6 +367,9 @@ def test_fp8_precision_on_the_cpu_backend():
     fp8 = tiny_config("swiglu")
     fp8.precision = "fp8"
     assert "precision='fp8'" in repr(fp8)
+    assert fp8.fp8_min_rows_per_expert == 128 and not fp8.fp8_for_tokens(19)
+    fp8.fp8_min_rows_per_expert = 0  # every call (19 tokens give 7 rows per expert)
+    assert fp8.fp8_for_tokens(19)
     x, idx, w = make_inputs(cfg, 19, seed=4)
     weights = megamoe.synthetic_weights(cfg, 12)
     y_exact = megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, 12), "cpu").forward(x, idx, w)

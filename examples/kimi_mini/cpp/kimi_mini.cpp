@@ -485,6 +485,7 @@ KimiMiniModel KimiMiniModel::load(const std::string& path, const ModelOptions& o
                                    static_cast<float>(c.situ_linear_beta));
   lc.fast_math = options.fast_math;
   lc.precision = options.precision;
+  lc.fp8_min_rows_per_expert = options.fp8_min_rows_per_expert;
   lc.ep_size = ep_size;
   // A call's tokens are split over the ranks, ceil(n / R) each at most.
   lc.max_tokens_per_rank = (impl->capacity + ep_size - 1) / ep_size;

@@ -75,6 +75,7 @@ struct ModelOptions {
   std::string backend = "auto";  // MoeLayer backend: "auto", "cpu", "sm90"
   bool fast_math = false;        // numerics.md section 4; exact by default (as trained)
   Precision precision = Precision::kExact;  // the MoE layers' GEMMs (docs/numerics.md "FP8 mode")
+  int64_t fp8_min_rows_per_expert = LayerConfig{}.fp8_min_rows_per_expert;
   int64_t max_batch_tokens = 0;  // MoE capacity per call; 0 = max_seq_len * 256
   // Expert parallelism on one GPU: every MoE layer's experts spread over ep_size virtual ranks
   // (megamoe/ep.hpp; needs the sm90 backend, ep_size must divide num_experts). Each MoE call
