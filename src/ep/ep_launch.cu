@@ -2,8 +2,6 @@
 #include "ep/ep_launch.hpp"
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 
 #include "ep/ep_kernels.cuh"
 #include "megamoe/error.hpp"
@@ -53,17 +51,9 @@ void launch_send(const EpParams& p, const SendInputs& in, cudaStream_t stream, b
 }
 
 void configure_dispatch(int64_t num_local) {
-  static std::mutex mutex;
-  static std::map<int, size_t> configured;
   const size_t smem =
       static_cast<size_t>(sm90::dispatch_num_warps(num_local)) * num_local * sizeof(int32_t);
-  const int device = cuda::current_device();
-  std::lock_guard<std::mutex> lock(mutex);
-  if (smem <= configured[device]) return;
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(ep_dispatch_kernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-  configured[device] = smem;
+  cuda::raise_max_dynamic_smem(reinterpret_cast<const void*>(&ep_dispatch_kernel), smem);
 }
 
 void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offsets,

@@ -2,7 +2,6 @@
 // generated translation units only.
 #pragma once
 
-#include <mutex>
 #include <vector>
 
 #include "megamoe/error.hpp"
@@ -44,11 +43,9 @@ void launch_tile(const GemmParams& p, const void* b_rows, cudaStream_t stream) {
   MEGAMOE_CHECK(static_cast<int64_t>(smem_max) <= dev.smem_per_block_optin,
                 ErrorCode::kUnsupported, "sm90 gemm: tile ", Cfg::kTile.name, " needs ", smem_max,
                 " bytes of shared memory per block, device allows ", dev.smem_per_block_optin);
-  static std::once_flag once;
-  std::call_once(once, [&] {
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem_max)));
-  });
+  // Per device (a process may launch on several GPUs): the attribute belongs to the function on
+  // the current device.
+  cuda::raise_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_max);
   const CUtensorMap map = make_rows_map(b_rows, static_cast<int64_t>(p.max_rows) + kRowSlack, p.k,
                                        Cfg::kBlockN, Cfg::kFp8);
   const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;

@@ -2,8 +2,6 @@
 #include "moe/sm90_stages.hpp"
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 
 #include "megamoe/error.hpp"
 #include "runtime/cuda_check.hpp"
@@ -73,19 +71,9 @@ int dispatch_num_warps(int64_t num_local) {
 }
 
 void configure_dispatch_smem(size_t smem_bytes) {
-  // NOTES: the opt-in limit is a per-function attribute, raised only when a larger value is
-  // needed. Sm90Layer sets it at construction, so a forward() captured into a CUDA graph makes no
+  // Sm90Layer calls it at construction, so a forward() captured into a CUDA graph makes no
   // attribute call at all.
-  // The attribute belongs to the function on the current device: tracked per device.
-  static std::mutex mutex;
-  static std::map<int, size_t> configured;
-  const int device = cuda::current_device();
-  std::lock_guard<std::mutex> lock(mutex);
-  if (smem_bytes <= configured[device]) return;
-  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(sm90_dispatch_topk_kernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem_bytes)));
-  configured[device] = smem_bytes;
+  cuda::raise_max_dynamic_smem(reinterpret_cast<const void*>(&sm90_dispatch_topk_kernel), smem_bytes);
 }
 
 void launch_dispatch(const DispatchParams& params, cudaStream_t stream, bool programmatic) {

@@ -3,6 +3,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include "megamoe/error.hpp"
 #include "runtime/cuda_check.hpp"
@@ -21,6 +22,18 @@ int current_device() {
   int device = 0;
   MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
   return device;
+}
+
+void raise_max_dynamic_smem(const void* kernel, size_t bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, size_t> configured;
+  const std::pair<int, const void*> key{current_device(), kernel};
+  std::lock_guard<std::mutex> lock(mutex);
+  size_t& have = configured[key];
+  if (bytes <= have) return;
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(bytes)));
+  have = bytes;
 }
 
 const DeviceInfo& device_info(int index) {
@@ -62,6 +75,9 @@ int current_device() {
 }
 const DeviceInfo& device_info(int) {
   fail(ErrorCode::kUnsupported, "device_info: megamoe was built without CUDA");
+}
+void raise_max_dynamic_smem(const void*, size_t) {
+  fail(ErrorCode::kUnsupported, "raise_max_dynamic_smem: megamoe was built without CUDA");
 }
 #endif
 

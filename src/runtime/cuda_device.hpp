@@ -8,6 +8,7 @@
 // Without a CUDA build, cuda_available() is false and device_info() throws kUnsupported.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -42,6 +43,12 @@ const DeviceInfo& device_info(int index = -1);
 
 // The current device (cudaGetDevice). Throws kUnsupported without CUDA.
 int current_device();
+
+// Raises `kernel`'s opt-in dynamic shared-memory limit on the current device to at least `bytes`
+// (cudaFuncSetAttribute; the attribute belongs to the function on one device, so it is tracked
+// per (device, kernel) and set again only for a larger size). Thread-safe; a host call, not a
+// stream operation: layers call it at construction, so a captured forward() makes none.
+void raise_max_dynamic_smem(const void* kernel, size_t bytes);
 
 }  // namespace cuda
 }  // namespace megamoe
