@@ -136,6 +136,14 @@ nlohmann::json check_json(const DiffReport& rep, double max_diff, double ideal_s
           {"pass", pass}};
 }
 
+// The text report's "accuracy" line: the comparison with the FP64 ideal.
+void print_accuracy(const DiffReport& rep, double max_diff) {
+  std::printf("  accuracy    diff %.3e vs the FP64 ideal MoE (limit %.0e); worst row %lld "
+              "(%.3e), worst expert %lld (%.3e), max |err| %.4g\n",
+              rep.diff, max_diff, static_cast<long long>(rep.worst_row), rep.worst_row_diff,
+              static_cast<long long>(rep.worst_expert), rep.worst_expert_diff, rep.max_abs_err);
+}
+
 // A host vector mirrored on the layer's device (a plain view of it on the CPU).
 struct DeviceCopy {
   Buffer buffer;
@@ -339,10 +347,7 @@ int run_slice(const RunOptions& o, const RunSetup& s, std::chrono::steady_clock:
     if (o.no_check) {
       std::printf("  accuracy    not checked (--no-check)\n");
     } else {
-      std::printf("  accuracy    diff %.3e vs the FP64 ideal MoE (limit %.0e); worst row %lld "
-                  "(%.3e), worst expert %lld (%.3e), max |err| %.4g\n",
-                  rep.diff, o.max_diff, static_cast<long long>(rep.worst_row), rep.worst_row_diff,
-                  static_cast<long long>(rep.worst_expert), rep.worst_expert_diff, rep.max_abs_err);
+      print_accuracy(rep, o.max_diff);
       if (!contract.empty())
         std::printf("  contract    diff %.3e vs the CPU reference, %lld of %lld outputs differ\n",
                     contract_diff, static_cast<long long>(contract_mismatches),
@@ -625,10 +630,7 @@ int run_virtual(const RunOptions& o, const RunSetup& s, std::chrono::steady_cloc
     if (o.no_check) {
       std::printf("  accuracy    not checked (--no-check)\n");
     } else {
-      std::printf("  accuracy    diff %.3e vs the FP64 ideal MoE (limit %.0e); worst row %lld "
-                  "(%.3e), worst expert %lld (%.3e), max |err| %.4g\n",
-                  rep.diff, o.max_diff, static_cast<long long>(rep.worst_row), rep.worst_row_diff,
-                  static_cast<long long>(rep.worst_expert), rep.worst_expert_diff, rep.max_abs_err);
+      print_accuracy(rep, o.max_diff);
       std::printf("  vs EP=1     %lld of %lld outputs differ from one sm90 layer with all %lld "
                   "experts on the %lld tokens (diff %.3e; that layer's diff vs the ideal %.3e)\n",
                   static_cast<long long>(mismatches), static_cast<long long>(y.size()),

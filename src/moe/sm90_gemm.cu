@@ -146,7 +146,7 @@ void launch(GemmParams p, int64_t rows_hint, int64_t rows_per_expert_max, const 
   }
   if (fp8) {  // FP8 mode: its prefill tile (the only FP8 policy so far; docs/perf.md)
     p.k_splits = 1;
-    run_tile<kKind>(choose_fp8_tile(rows_hint, p.num_experts, p.k), p, b_rows, stream);
+    run_tile<kKind>(choose_fp8_tile(p.k), p, b_rows, stream);
     return;
   }
   if (p.small_scales == 0) {  // the serial tiles: no gated launches

@@ -58,10 +58,10 @@ struct TileChoice {
   const char* reason = "";  // one line: the rule that chose it
 };
 
-// FP8 mode (the E4M3 tiles, TileConfig::fp8): the tile for an FP8 launch of about rows_hint rows
-// over num_experts local experts and reduction K (a multiple of 128; kInvalidArgument otherwise).
-// Only prefill tiles exist so far (docs/perf.md, "FP8 mode").
-TileId choose_fp8_tile(int64_t rows_hint, int num_experts, int64_t k);
+// FP8 mode (the E4M3 tiles, TileConfig::fp8): the tile for an FP8 launch of reduction K (a
+// multiple of 128; kInvalidArgument otherwise). One tile so far, whatever the rows (docs/perf.md,
+// "FP8 mode"): the layer runs the FP8 mode only from LayerConfig::fp8_min_rows_per_expert on.
+TileId choose_fp8_tile(int64_t k);
 
 TileChoice choose_tile(const TileQuery& q);
 

@@ -94,8 +94,8 @@ TEST(TileTable, TraitsAndSiblings) {
   EXPECT_EQ(sm90::GemmConfig<TileId::kFp8Prefill128x192K2Async>::kBoxesPerStage, 1);
   EXPECT_EQ(sm90::GemmConfig<TileId::kFp8Prefill128x192K2Async>::kSmemBBytes, 192 * 128);
   EXPECT_EQ(sm90::GemmConfig<TileId::kPrefill256x96K2Async2>::kSmemBBytes, 2 * 96 * 128);
-  EXPECT_EQ(sm90::choose_fp8_tile(65536, 256, 7168), TileId::kFp8Prefill128x192K2Async);
-  EXPECT_THROW(sm90::choose_fp8_tile(65536, 256, 2880), Error);
+  EXPECT_EQ(sm90::choose_fp8_tile(7168), TileId::kFp8Prefill128x192K2Async);
+  EXPECT_THROW(sm90::choose_fp8_tile(2880), Error);
   EXPECT_EQ(sm90::GemmConfig<TileId::kPrefill256x96K2Async2>::kThreads, 512);
   EXPECT_EQ(sm90::GemmConfig<TileId::kPrefill256x96K2Async2>::kMathRegs, 168);
   EXPECT_EQ(sm90::GemmConfig<TileId::kDecode128x8K4Warp>::kThreads, 160);
