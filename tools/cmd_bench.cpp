@@ -73,6 +73,8 @@ struct BenchOptions {
   std::string routing = "uniform";
   std::string activation;  // empty: each shape's preset
   bool exact = false;
+  std::string precision = "exact";
+  int64_t fp8_min_rows = LayerConfig{}.fp8_min_rows_per_expert;
   int ep_size = 1;
   int replays = 10;
   int warmup = 2;
@@ -344,6 +346,8 @@ int run_bench(const BenchOptions& o) {
     config.activation = o.activation.empty() ? activation_preset(shape_name)
                                              : Activation::parse(o.activation);
     config.fast_math = !o.exact;
+    config.precision = parse_precision(o.precision);
+    config.fp8_min_rows_per_expert = o.fp8_min_rows;
     o.sm90.apply(config);
     config.validate();
     const LayerShape& s = config.shape;
@@ -364,11 +368,13 @@ int run_bench(const BenchOptions& o) {
     std::vector<std::unique_ptr<sm90::Sm90Layer>> layers;
     layers.push_back(std::make_unique<sm90::Sm90Layer>(config, &prepared));
     for (auto& c : copies) layers.push_back(std::make_unique<sm90::Sm90Layer>(config, &c));
-    std::printf("\n== %s (H=%lld I=%lld E=%lld K=%lld, EP %d: %lld local experts), activation %s, %s; "
+    std::printf("\n== %s (H=%lld I=%lld E=%lld K=%lld, EP %d: %lld local experts), activation %s, %s, "
+                "precision %s (fp8 from %lld rows per expert); "
                 "weights %.2f GB (generated + prepared in %.1f s), %d weight cop%s rotated\n",
                 shape_name.c_str(), (long long)s.hidden, (long long)s.intermediate,
                 (long long)s.num_experts, (long long)s.top_k, o.ep_size, (long long)el,
                 config.activation.to_string().c_str(), o.exact ? "exact math" : "fast_math",
+                to_string(config.precision), (long long)config.fp8_min_rows_per_expert,
                 weight_bytes / 1e9, gen_s, num_weight_copies, num_weight_copies == 1 ? "y" : "ies");
     std::printf("%8s %6s %10s %10s %9s %9s %9s %9s %7s %7s %7s | %s\n", "tokens", "sets",
                 "median_us", "min_us", "TFLOP/s", "wGB/s", "floor_us", "t_mem_us", "f_floor",
@@ -441,6 +447,8 @@ int run_bench(const BenchOptions& o) {
       const double wgbs = wbytes / (med * 1e-6) / 1e9;
 
       std::ostringstream stages_txt;
+      if (config.precision == Precision::kFp8)
+        stages_txt << (config.fp8_for_tokens(tokens) ? "[fp8] " : "[exact] ");
       nlohmann::json stage_json = nlohmann::json::object();
       if (o.stages) {
         double prev = 0;
@@ -471,6 +479,8 @@ int run_bench(const BenchOptions& o) {
         j["routing"] = routing_kind_name(routing);
         j["activation"] = config.activation.to_string();
         j["fast_math"] = config.fast_math;
+        j["precision"] = to_string(config.precision);
+        j["fp8_call"] = config.fp8_for_tokens(tokens);
         j["gemm_tile"] = config.sm90.gemm_tile;
         j["programmatic_launch"] = config.sm90.programmatic_launch;
         j["rows_hint"] = to_string(config.sm90.rows_hint);
@@ -514,6 +524,15 @@ const Command kBench{
       app.add_option("--routing", o->routing, "uniform | skewed | adversarial")->capture_default_str();
       app.add_option("--activation", o->activation, "activation spec (default: the shape's preset)");
       app.add_flag("--exact", o->exact, "fast_math off (exact exp and division in the epilogue)");
+      app.add_option("--precision", o->precision,
+                     "expert GEMMs: exact (the contract) or fp8 (docs/numerics.md \"FP8 mode\")")
+          ->check(CLI::IsMember({"exact", "fp8"}))
+          ->capture_default_str();
+      app.add_option("--fp8-min-rows", o->fp8_min_rows,
+                     "with --precision fp8: FP8 for calls with at least this many routed rows per "
+                     "expert (T*K/E), exact below; 0 = every call")
+          ->check(CLI::NonNegativeNumber)
+          ->capture_default_str();
       app.add_option("--ep-size", o->ep_size, "expert-parallel size; rank 0's share is timed")->capture_default_str();
       app.add_option("--replays", o->replays, "timed graph replays per point")->capture_default_str();
       app.add_option("--warmup", o->warmup, "untimed replays first")->capture_default_str();

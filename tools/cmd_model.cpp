@@ -148,8 +148,8 @@ CommandMain setup_model_command(CLI::App& app) {
                "fast_math on (the layer default: approximate exp/rcp in the expert activation); "
                "default off, as the model was trained");
   app.add_option("--precision", o->precision,
-                 "MoE GEMMs: exact (the contract) or fp8 (the FP8 mode of docs/numerics.md; the cpu "
-                 "backend computes it, sm90 does not yet)")
+                 "MoE GEMMs: exact (the contract) or fp8 (the FP8 mode of docs/numerics.md, on both "
+                 "backends; sm90: one GPU, H and I multiples of 128)")
       ->check(CLI::IsMember({"exact", "fp8"}))
       ->capture_default_str();
   app.add_option("--fp8-min-rows", o->fp8_min_rows,

@@ -673,8 +673,8 @@ const Command kRun{
       app.add_flag("--exact", o->exact,
                    "fast_math off: exact expf and division in the activation (default: fast_math on)");
       app.add_option("--precision", o->precision,
-                     "Expert GEMMs: exact (the contract) or fp8 (the FP8 mode of docs/numerics.md: "
-                     "the cpu backend computes it; sm90 does not yet)")
+                     "Expert GEMMs: exact (the contract) or fp8 (the FP8 mode of docs/numerics.md, on "
+                     "both backends; sm90: one GPU, H and I multiples of 128)")
           ->check(CLI::IsMember({"exact", "fp8"}))
           ->capture_default_str();
       app.add_option("--fp8-min-rows", o->fp8_min_rows,

@@ -158,9 +158,9 @@ void register_config(nb::module_& m) {
           "ids at once (debugging; not under CUDA-graph capture); by default they raise them at "
           "the next call or at MoELayer.check_errors(). precision: 'exact' (the contract) or 'fp8' "
           "(the FP8 mode of docs/numerics.md, for calls with at least fp8_min_rows_per_expert routed "
-          "rows per expert on average, T * K / E; 0: every call): the cpu backend computes it, "
-          "sm90 raises UnsupportedError until its layer's FP8 path has run on a GPU. Validated on "
-          "construction.")
+          "rows per expert on average, T * K / E; 0: every call), on both backends; sm90 raises "
+          "UnsupportedError for it with expert parallelism or H, I not multiples of 128. Validated "
+          "on construction.")
       .def_rw("shape", &LayerConfig::shape)
       .def_rw("activation", &LayerConfig::activation)
       .def_rw("ep_size", &LayerConfig::ep_size)

@@ -55,10 +55,6 @@ std::unique_ptr<detail::LayerBackend> make_backend(std::string_view name, const 
   if (name == kBackendSm90) {
     const std::string reason = sm90_unavailable_reason();
     MEGAMOE_CHECK(reason.empty(), ErrorCode::kUnsupported, "backend sm90 cannot run here: ", reason);
-    MEGAMOE_CHECK(config.precision == Precision::kExact, ErrorCode::kUnsupported,
-                  "backend sm90: precision fp8 is not run by the sm90 layer yet (its GEMMs have the "
-                  "FP8 tiles; the layer does not yet write their E4M3 rows: issue 31); use "
-                  "precision exact, or the cpu backend for the FP8 mode's numerics");
 #if MEGAMOE_HAS_SM90_BACKEND
     return detail::make_sm90_backend(config, std::move(weights), std::move(group));
 #endif

@@ -1,6 +1,7 @@
 // The end-to-end gate on the GPU: examples/kimi_mini with its MoE layers on the sm90 backend
 // reaches the accuracy gate, and its answers equal the CPU backend's on >= 95% of problems, with
-// fast_math off (the model's default, as trained) and on (the layer's default). With each MoE
+// fast_math off (the model's default, as trained) and on (the layer's default), and with every MoE
+// call in the FP8 mode (docs/numerics.md; against the CPU's FP8 mode). With each MoE
 // layer's experts over R virtual EP ranks (ModelOptions::ep_size) its answers are those of R = 1.
 #include <gtest/gtest.h>
 
@@ -31,13 +32,15 @@ constexpr double kCpuAgreementGate = 0.95;
         << "no trained checkpoint in " << kModelDir;                                       \
   } while (0)
 
-void gate_and_agreement_with_cpu(bool fast_math) {
+void gate_and_agreement_with_cpu(bool fast_math, Precision precision = Precision::kExact) {
   MEGAMOE_REQUIRE_SM90_BACKEND_AND_MODEL();
   const auto problems = load_problems(kModelDir + "/heldout.jsonl");
 
   ModelOptions gpu;
   gpu.backend = "sm90";
   gpu.fast_math = fast_math;
+  gpu.precision = precision;
+  gpu.fp8_min_rows_per_expert = 0;  // with precision fp8: every call
   KimiMiniModel m_gpu = KimiMiniModel::load(kModelDir, gpu);
   ASSERT_EQ(m_gpu.moe_backend(), "sm90");
   m_gpu.generate({problems.front().prompt()}, 4);  // warm-up
@@ -46,15 +49,17 @@ void gate_and_agreement_with_cpu(bool fast_math) {
   ModelOptions cpu;
   cpu.backend = "cpu";
   cpu.fast_math = fast_math;
+  cpu.precision = precision;
+  cpu.fp8_min_rows_per_expert = 0;
   KimiMiniModel m_cpu = KimiMiniModel::load(kModelDir, cpu);
   const EvalReport r_cpu = evaluate(m_cpu, problems);
 
   int64_t same = 0;
   for (size_t i = 0; i < problems.size(); ++i) same += r_gpu.answers[i] == r_cpu.answers[i];
   const double agreement = static_cast<double>(same) / static_cast<double>(problems.size());
-  std::printf("kimi_mini, fast_math %s: sm90 %lld/%lld = %.3f (%.1f s), cpu %lld/%lld = %.3f (%.1f s), "
+  std::printf("kimi_mini, fast_math %s, precision %s: sm90 %lld/%lld = %.3f (%.1f s), cpu %lld/%lld = %.3f (%.1f s), "
               "identical answers %lld/%lld\n",
-              fast_math ? "on" : "off", static_cast<long long>(r_gpu.correct), static_cast<long long>(r_gpu.total),
+              fast_math ? "on" : "off", to_string(precision), static_cast<long long>(r_gpu.correct), static_cast<long long>(r_gpu.total),
               r_gpu.accuracy, r_gpu.seconds, static_cast<long long>(r_cpu.correct),
               static_cast<long long>(r_cpu.total), r_cpu.accuracy, r_cpu.seconds,
               static_cast<long long>(same), static_cast<long long>(problems.size()));
@@ -108,6 +113,10 @@ TEST(ModelGpu, ExpertParallelAnswersEqualOneRank) {
 TEST(ModelGpu, GateAndAgreementWithCpu) { gate_and_agreement_with_cpu(/*fast_math=*/false); }
 
 TEST(ModelGpu, GateAndAgreementWithCpuFastMath) { gate_and_agreement_with_cpu(/*fast_math=*/true); }
+
+TEST(ModelGpu, Fp8ModeGateAndAgreementWithCpu) {
+  gate_and_agreement_with_cpu(/*fast_math=*/false, Precision::kFp8);
+}
 
 }  // namespace
 }  // namespace megamoe::model

@@ -270,3 +270,22 @@ def test_tile_options_change_nothing_but_speed():
             np.testing.assert_array_equal(y, ref, err_msg=str(kwargs))
     with pytest.raises(megamoe.InvalidArgumentError, match="prefill_256x128_k2_staged"):
         megamoe.LayerConfig("small", gemm_tile="prefill_256x128")
+
+
+def test_fp8_mode_against_the_exact_mode_and_the_cpu_fp8_mode():
+    """precision='fp8' on sm90 (docs/numerics.md "FP8 mode"): as close to the FP64 ideal as the
+    exact mode (<= 1.5x its diff) and close to the cpu backend's FP8 mode."""
+    exact = megamoe.LayerConfig("small", max_tokens_per_rank=TOKENS)
+    fp8 = megamoe.LayerConfig("small", max_tokens_per_rank=TOKENS, precision="fp8")
+    fp8.fp8_min_rows_per_expert = 0  # 64 tokens give 8 rows per expert
+    x, idx, w = _workload(exact)
+    y = {}
+    for name, cfg in (("exact", exact), ("fp8", fp8)):
+        layer = megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, SEED), backend="sm90")
+        y[name] = _bits(layer.forward(*_cuda_inputs(x, idx, w)))
+    y["cpu_fp8"] = megamoe.MoELayer(fp8, megamoe.synthetic_weights(fp8, SEED), "cpu").forward(x, idx, w)
+    ideal = megamoe.ideal_forward(exact, megamoe.synthetic_weights(exact, SEED), x, idx, w)
+    diff = {n: megamoe.compare_output(exact, v, ideal, idx)["diff"] for n, v in y.items()}
+    assert diff["fp8"] <= 1.5 * diff["exact"], diff
+    assert abs(diff["fp8"] - diff["cpu_fp8"]) <= 0.1 * diff["cpu_fp8"], diff
+    assert not np.array_equal(y["fp8"], y["exact"]), "the FP8 mode ran"

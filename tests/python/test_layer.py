@@ -386,10 +386,10 @@ def test_fp8_precision_on_the_cpu_backend():
         fp8.precision = "int4"
 
 
-def test_fp8_precision_is_refused_by_the_sm90_backend():
+def test_fp8_precision_on_sm90_names_what_it_cannot_run():
     if "sm90" not in megamoe.available_backends():
-        pytest.skip("no sm90 backend here: its refusal of the FP8 mode needs one")
-    cfg = tiny_config("swiglu")
+        pytest.skip("no sm90 backend here: its refusals of the FP8 mode need one")
+    cfg = tiny_config("swiglu")  # I = 64: the FP8 tiles read two 64-channel k-blocks per stage
     cfg.precision = "fp8"
-    with pytest.raises(megamoe.UnsupportedError, match="precision fp8"):
+    with pytest.raises(megamoe.UnsupportedError, match="multiples of 128"):
         megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, 1), "sm90")

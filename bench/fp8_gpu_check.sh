@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One device call for the FP8 mode (issue "FP8 tensor cores"): every GPU test, the Python tests
+# of the sm90 layer (the extension is built there in the background), then `megamoe bench` of the
+# exact mode and of the FP8 mode on the same shapes and token counts. Writes $OUT/log.txt,
+# $OUT/gpu_tests.log, $OUT/python.log, $OUT/bench_{exact,fp8}.{txt,jsonl}.
+#
+#   [STEPS="tests python bench"] [BENCH_ARGS="--shape kimi-k3,deepseek-v3 --tokens 512,4096,8192"] \
+#   [FP8_MIN_ROWS=0] bench/fp8_gpu_check.sh BIN_DIR
+#
+# BIN_DIR holds megamoe and megamoe_gpu_tests built on the development machine from this tree.
+# Needs carry [".carry/deps", BIN_DIR] (the python step builds the extension from .carry/deps).
+set -uo pipefail
+BIN=$(cd "${1:?usage: fp8_gpu_check.sh BIN_DIR}" && pwd)
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+STEPS=${STEPS:-tests python bench}
+BENCH_ARGS=${BENCH_ARGS:---shape kimi-k3,deepseek-v3 --tokens 512,4096,8192 --no-stages}
+FP8_MIN_ROWS=${FP8_MIN_ROWS:-0}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+export NCCL_NVLS_ENABLE=0
+NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+[ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+t0=$(date +%s)
+say() { echo "== +$(( $(date +%s) - t0 ))s $*" | tee -a "$LOG"; }
+# The test binaries find the example model through their compiled-in source path.
+[ -e /work/main ] || { mkdir -p /work && ln -s "$ROOT" /work/main; }
+
+if has python; then
+  (cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
+     -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" \
+     -DMEGAMOE_NCCL_INCLUDE_DIR="$ROOT/.carry/deps/nccl/include" &&
+   ninja -C /tmp/build-py -j12) >"$OUT/python_build.log" 2>&1 &
+  pybuild=$!
+fi
+if has tests; then
+  say "gpu tests (all)"
+  timeout ${TESTS_TIMEOUT:-280} "$BIN/megamoe_gpu_tests" >"$OUT/gpu_tests.log" 2>&1
+  echo "exit $?" >>"$OUT/gpu_tests.log"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED)|FAILED|fp8|Fp8|^exit|Failure" "$OUT/gpu_tests.log" | head -60 >>"$LOG"
+fi
+if has python; then
+  say "python sm90 tests"
+  wait "$pybuild"; echo "python build exit $?" >>"$LOG"; tail -2 "$OUT/python_build.log" >>"$LOG"
+  PYTHONPATH=/tmp/build-py/python MEGAMOE_CLI="$BIN/megamoe" timeout 150 python3 -m pytest -q -rs \
+    -p no:cacheprovider ${PYTESTS:-tests/python/test_gpu.py tests/python/test_layer.py} \
+    >"$OUT/python.log" 2>&1
+  echo "exit $?" >>"$OUT/python.log"
+  grep -E "passed|failed|Error|^exit" "$OUT/python.log" | tail -20 >>"$LOG"
+fi
+if has bench; then
+  for mode in exact fp8; do
+    say "bench $mode"
+    extra=""
+    [ "$mode" = fp8 ] && extra="--precision fp8 --fp8-min-rows $FP8_MIN_ROWS"
+    # shellcheck disable=SC2086
+    timeout ${BENCH_TIMEOUT:-120} "$BIN/megamoe" bench $BENCH_ARGS $extra --replays 5 --json "$OUT/bench_$mode.jsonl" \
+      >"$OUT/bench_$mode.txt" 2>&1
+    echo "exit $?" >>"$OUT/bench_$mode.txt"
+    grep -vE "^$" "$OUT/bench_$mode.txt" | tail -12 >>"$LOG"
+  done
+fi
+say "done"
