@@ -36,7 +36,8 @@ if has python; then
 fi
 if has tests; then
   say "gpu tests (all)"
-  timeout ${TESTS_TIMEOUT:-280} "$BIN/megamoe_gpu_tests" >"$OUT/gpu_tests.log" 2>&1
+  timeout ${TESTS_TIMEOUT:-280} "$BIN/megamoe_gpu_tests" --gtest_filter="${TESTS_FILTER:-*}" \
+    >"$OUT/gpu_tests.log" 2>&1
   echo "exit $?" >>"$OUT/gpu_tests.log"
   grep -E "^\[  (PASSED|FAILED|SKIPPED)|FAILED|fp8|Fp8|^exit|Failure" "$OUT/gpu_tests.log" | head -60 >>"$LOG"
 fi
@@ -48,6 +49,31 @@ if has python; then
     >"$OUT/python.log" 2>&1
   echo "exit $?" >>"$OUT/python.log"
   grep -E "passed|failed|Error|^exit" "$OUT/python.log" | tail -20 >>"$LOG"
+fi
+if has gemmbench; then
+  say "grouped-GEMM benchmark (tiles ${MEGAMOE_BENCH_TILES:-all}, tokens ${MEGAMOE_BENCH_TOKENS:-default})"
+  timeout ${GEMMBENCH_TIMEOUT:-200} "$BIN/megamoe_gemm_bench" >"$OUT/gemm_bench.txt" 2>&1
+  echo "exit $?" >>"$OUT/gemm_bench.txt"
+  grep -E "^\[bench\].*(fp8|tile=auto )|^exit" "$OUT/gemm_bench.txt" | cut -c1-150 >>"$LOG"
+fi
+if has ncu; then
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for run in ${NCU_RUNS:-deepseek-v3:4096}; do
+    IFS=: read -r shape nt <<<"$run"
+    tag="fp8_${shape}_t${nt}"
+    say "nsight compute ($tag)"
+    timeout ${NCU_TIMEOUT:-200} "$NCU" -k regex:grouped_gemm --launch-count 2 --set full \
+      --import-source no -f -o "/tmp/ncu_$tag" "$BIN/megamoe" bench --precision fp8 --fp8-min-rows 0 \
+      --shape "$shape" --tokens "$nt" --replays 1 --warmup 0 --no-stages --no-ceilings \
+      >"$OUT/ncu_$tag.log" 2>&1
+    echo "exit $?" >>"$OUT/ncu_$tag.log"
+    "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --print-details all >"$OUT/ncu_$tag.txt" 2>&1
+    "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --page source --print-source sass --csv \
+      >"/tmp/ncu_${tag}_sass.csv" 2>&1
+    python3 bench/ncu_sass_summary.py "/tmp/ncu_${tag}_sass.csv" 60 >"$OUT/ncu_${tag}_sass_summary.txt" 2>&1
+    grep -E "grouped_gemm|Duration|Compute \(SM\) Throughput|Issued Warp|Executed Ipc A|^exit" \
+      "$OUT/ncu_$tag.txt" | head -20 >>"$LOG"
+  done
 fi
 if has bench; then
   for mode in exact fp8; do

@@ -78,8 +78,9 @@ struct LayerConfig {
   bool sync_error_check = false;
 
   int64_t num_local_experts() const { return shape.num_experts / ep_size; }
-  // Whether a call of num_tokens tokens (on this rank) runs the FP8 mode (precision and
-  // fp8_min_rows_per_expert).
+  // Whether a call of num_tokens tokens runs the FP8 mode (precision and
+  // fp8_min_rows_per_expert). Under expert parallelism the sm90 layer asks it for the group's
+  // tokens, estimated as this rank's T times ep_size (every local expert expects T*R*K/E rows).
   bool fp8_for_tokens(int64_t num_tokens) const {
     return precision == Precision::kFp8 &&
            num_tokens * shape.top_k >= fp8_min_rows_per_expert * shape.num_experts;

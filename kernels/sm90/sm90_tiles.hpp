@@ -87,8 +87,9 @@ enum class TileId : uint8_t {
   // FP8 mode (OperandKind::kE4m3), prefill.
   kFp8Prefill128x192K2Async,
   kFp8Prefill256x128K2Staged,
+  kFp8Prefill128x256K2Async,
 };
-constexpr int kNumTiles = 20;
+constexpr int kNumTiles = 21;
 
 namespace tile_detail {
 constexpr MainloopKind S = MainloopKind::kSerial, O = MainloopKind::kOverlap;
@@ -122,6 +123,7 @@ inline constexpr TileConfig kTable[kNumTiles] = {
     {"prefill_256x128_k1_staged",     2, 2, 128, 16,  7, 1, 1, O, G, St, 1, false, B},
     {"fp8_128x192_k2_async",          2, 1, 192,  8,  4, 1, 2, O, G, A,  1, false, F},
     {"fp8_256x128_k2_staged",         2, 2, 128, 16,  5, 1, 2, O, G, St, 1, false, F},
+    {"fp8_128x256_k2_async",          2, 1, 256,  8,  3, 1, 2, O, G, A,  1, false, F},
 };
 }  // namespace tile_detail
 

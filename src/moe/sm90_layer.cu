@@ -189,8 +189,6 @@ Sm90Layer::Sm90Layer(const LayerConfig& config, const MoeWeights* prepared,
 void Sm90Layer::init_workspace() {
   config_.validate();
   if (config_.precision == Precision::kFp8) {
-    MEGAMOE_CHECK(ep_ == nullptr, ErrorCode::kUnsupported,
-                  "Sm90Layer: precision fp8 with an expert-parallel group is not wired yet (issue 31)");
     MEGAMOE_CHECK(config_.shape.hidden % 128 == 0 && config_.shape.intermediate % 128 == 0,
                   ErrorCode::kUnsupported, "Sm90Layer: precision fp8 needs H and I multiples of 128 "
                   "(the FP8 tiles' two k-blocks per stage), got H ", config_.shape.hidden, " I ",
@@ -435,13 +433,28 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   send.error_flag = error_flag_dev_;
   if (!ep::fused_send(p)) ep::launch_send(p, send, stream, pdl);
   ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights, stream, pdl);
-  launch_gather(window + w.recv_xq, window + w.recv_sf, view_.row_offsets, view_.row_slot,
-                num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl,
-                std::max<int64_t>(1, t * s.top_k));
+  // The FP8 mode by the group's tokens, estimated as this rank's T times the ranks (each local
+  // expert expects T*R*K/E rows): ranks with similar T decide alike, and EP = R decides as EP = 1
+  // does on the R ranks' tokens together (LayerConfig::fp8_min_rows_per_expert).
+  const bool fp8 = config_.fp8_for_tokens(t * g.size);
+  const int64_t grid_rows = std::max<int64_t>(1, t * s.top_k);
+  if (fp8) {
+    launch_rebase_rows_e4m3(window + w.recv_xq, window + w.recv_sf, view_.row_offsets,
+                            view_.row_slot, num_local, s.top_k, s.hidden, max_rows_, view_.act_fp8,
+                            view_.act_factor, stream, pdl, grid_rows);
+  } else {
+    launch_gather(window + w.recv_xq, window + w.recv_sf, view_.row_offsets, view_.row_slot,
+                  num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl, grid_rows);
+  }
 
   const RowsHint rows = ep_rows_hint(config_, t, g.size, max_rows_);
-  launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl), stream);
-  launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl), stream);
+  launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
+  if (fp8) {
+    launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
+                            s.intermediate, max_rows_, view_.h_fp8, view_.h_factor, stream, pdl,
+                            grid_rows);
+  }
+  launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
 
   ep::launch_return(p, view_.out, view_.row_offsets, view_.row_slot, stream, pdl);
   if (t > 0)

@@ -122,7 +122,7 @@ void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_o
 void launch_rebase_rows_e4m3(const uint8_t* q, const uint8_t* sf, const int32_t* row_offsets,
                              const int32_t* row_slot, int64_t num_local, int64_t top_k,
                              int64_t cols, int64_t max_rows, uint8_t* dst, float* factor,
-                             cudaStream_t stream, bool programmatic) {
+                             cudaStream_t stream, bool programmatic, int64_t grid_rows) {
   MEGAMOE_CHECK_ARG(cols > 0 && cols % kScaleBlock == 0,
                     "rebase_rows_e4m3: expected cols a positive multiple of ", kScaleBlock, ", got ", cols);
   MEGAMOE_CHECK_ARG(top_k >= 0 && (top_k == 0 || row_slot != nullptr),
@@ -130,8 +130,9 @@ void launch_rebase_rows_e4m3(const uint8_t* q, const uint8_t* sf, const int32_t*
   if (max_rows == 0) return;
   check_aligned("rebase_rows_e4m3 q", q, 16);
   check_aligned("rebase_rows_e4m3 dst", dst, 16);
+  const int64_t rows_for_grid = grid_rows > 0 ? std::min(grid_rows, max_rows) : max_rows;
   cuda::launch(sm90_rebase_rows_e4m3_kernel,
-               grid_for(max_rows * 32, kRebaseBlockThreads), kRebaseBlockThreads, 0, stream,
+               grid_for(rows_for_grid * 32, kRebaseBlockThreads), kRebaseBlockThreads, 0, stream,
                programmatic, q, sf, row_offsets, row_slot, static_cast<int32_t>(num_local),
                static_cast<uint32_t>(top_k), static_cast<uint32_t>(cols), max_rows, dst, factor);
 }

@@ -53,10 +53,11 @@ void launch_gather(const uint8_t* x_q, const uint8_t* x_sf, const int32_t* row_o
 // top_k > 0: row r is the token row_slot[r] / top_k of q (L1's operand, from x_q / x_sf);
 // top_k == 0: row r of q itself (L2's operand, from h_q / h_sf). Rows at or past
 // row_offsets[num_local] are not written. dst [max_rows + slack, cols], factor [max_rows + slack].
+// grid_rows: as launch_gather's.
 void launch_rebase_rows_e4m3(const uint8_t* q, const uint8_t* sf, const int32_t* row_offsets,
                              const int32_t* row_slot, int64_t num_local, int64_t top_k,
                              int64_t cols, int64_t max_rows, uint8_t* dst, float* factor,
-                             cudaStream_t stream, bool programmatic = false);
+                             cudaStream_t stream, bool programmatic = false, int64_t grid_rows = 0);
 
 void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num_tokens,
                     int64_t top_k, int64_t hidden, uint16_t* y, cudaStream_t stream,

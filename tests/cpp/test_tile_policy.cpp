@@ -86,7 +86,8 @@ TEST(TileTable, TraitsAndSiblings) {
         << id;
   }
   // FP8 tiles: two k-blocks per stage (one 128-byte TMA box of E4M3), no small-scale premise.
-  for (TileId id : {TileId::kFp8Prefill128x192K2Async, TileId::kFp8Prefill256x128K2Staged}) {
+  for (TileId id : {TileId::kFp8Prefill128x192K2Async, TileId::kFp8Prefill256x128K2Staged,
+                    TileId::kFp8Prefill128x256K2Async}) {
     EXPECT_TRUE(sm90::tile_config(id).fp8()) << id;
     EXPECT_FALSE(sm90::tile_config(id).needs_small_scales()) << id;
     EXPECT_EQ(sm90::tile_config(id).k_multiple(), 128) << id;

@@ -15,12 +15,15 @@ namespace {
 // its launch, so EP = R equals EP = 1 bit for bit (docs/design.md, "Expert parallelism").
 constexpr const char* kFixedTile = "prefill_256x128_k2_staged";
 
-LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kFixedTile) {
+LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kFixedTile,
+                      Precision precision = Precision::kExact) {
   LayerConfig c;
   c.shape = shape_preset(shape);
   c.activation = activation_preset(shape);
   c.max_tokens_per_rank = capacity;
   c.sm90.gemm_tile = tile;
+  c.precision = precision;
+  c.fp8_min_rows_per_expert = 0;  // with precision fp8: every call (one FP8 tile, no split-K)
   return c;
 }
 
@@ -39,11 +42,13 @@ std::string describe(const std::vector<int64_t>& tokens) {
 // Every rank's output equals the one-GPU layer's on the concatenated tokens, bit for bit, and
 // the rows each rank's experts received match the routing.
 void expect_equal_to_one_gpu(const char* shape, int ranks, const std::vector<int64_t>& tokens,
-                             Routing routing, uint64_t seed, const char* tile = kFixedTile) {
+                             Routing routing, uint64_t seed, const char* tile = kFixedTile,
+                             Precision precision = Precision::kExact) {
   const int64_t cap = *std::max_element(tokens.begin(), tokens.end());
-  const LayerConfig c = ep_config(shape, std::max<int64_t>(cap, 1), tile);
+  const LayerConfig c = ep_config(shape, std::max<int64_t>(cap, 1), tile, precision);
   SCOPED_TRACE(std::string(shape) + " EP=" + std::to_string(ranks) + " T=" + describe(tokens) +
-               " routing " + routing_name(routing) + " tile " + tile);
+               " routing " + routing_name(routing) + " tile " + tile + " precision " +
+               to_string(precision));
   const EpInputs in = make_ep_inputs(c, tokens, routing, seed, 0.1);
   OneGpu one(c, in.total(), seed);
   const std::vector<uint16_t> expected = one.run(in);
@@ -78,6 +83,20 @@ TEST(Ep, VirtualRanksEqualOneGpuSmall) {
     expect_equal_to_one_gpu("small", 4, {5, 0, 64, 1}, routing, seed++);
     expect_equal_to_one_gpu("small", 8, {16, 3, 0, 64, 7, 0, 1, 40}, routing, seed++);
   }
+}
+
+// The FP8 mode (docs/numerics.md): its one tile has no split-K, so EP = R equals EP = 1 bit for
+// bit there too.
+TEST(Ep, VirtualRanksFp8ModeEqualOneGpu) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 1900;
+  for (Routing routing : {Routing::kUniform, Routing::kSkewed, Routing::kAdversarial}) {
+    expect_equal_to_one_gpu("small", 2, {37, 64}, routing, seed++, kFixedTile, Precision::kFp8);
+    expect_equal_to_one_gpu("small", 8, {16, 3, 0, 64, 7, 0, 1, 40}, routing, seed++, kFixedTile,
+                            Precision::kFp8);
+  }
+  expect_equal_to_one_gpu("deepseek-v3", 8, {33, 1, 0, 64, 8, 17, 64, 2}, Routing::kUniform, 1990,
+                          kFixedTile, Precision::kFp8);
 }
 
 TEST(Ep, VirtualRanksAllEmpty) {
