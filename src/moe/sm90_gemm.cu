@@ -144,9 +144,14 @@ void launch(GemmParams p, int64_t rows_hint, int64_t rows_per_expert_max, const 
     case TileRequest::Mode::kAuto:
       break;
   }
-  if (fp8) {  // FP8 mode: its prefill tile (the only FP8 policy so far; docs/perf.md)
+  if (fp8) {  // FP8 mode: two gated launches, one runs (plan_fp8_launches)
     p.k_splits = 1;
-    run_tile<kKind>(choose_fp8_tile(p.k), p, b_rows, stream);
+    for (const Fp8Launch& l : plan_fp8_launches(p.k).launch) {
+      GemmParams pi = p;
+      pi.gate_min_avg = l.gate_min_avg;
+      pi.gate_max_avg = l.gate_max_avg;
+      run_tile<kKind>(l.tile, pi, b_rows, stream);
+    }
     return;
   }
   if (p.small_scales == 0) {  // the serial tiles: no gated launches

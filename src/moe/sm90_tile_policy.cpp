@@ -199,12 +199,14 @@ std::string tile_request_names() {
   return names;
 }
 
-TileId choose_fp8_tile(int64_t k) {
-  // NOTES: the 128 x 192 tile, the faster of the two in most measured points (docs/tuning-log.md v22).
-  constexpr TileId kTile = TileId::kFp8Prefill128x192K2Async;
-  MEGAMOE_CHECK_ARG(k % tile_config(kTile).k_multiple() == 0, "sm90 gemm: FP8 mode: K (H for L1, "
-                    "I for L2) must be a multiple of ", tile_config(kTile).k_multiple(), ", got ", k);
-  return kTile;
+Fp8Plan plan_fp8_launches(int64_t k) {
+  constexpr TileId kNarrow = TileId::kFp8Prefill128x192K2Async, kWide = TileId::kFp8Prefill128x256K2Async;
+  static_assert(tile_config(kNarrow).k_multiple() == tile_config(kWide).k_multiple(),
+                "one K rule for both FP8 launches");
+  static_assert(tile_config(kNarrow).block_n >= kFp8WideMinAvg, "the narrow tile takes its rows");
+  MEGAMOE_CHECK_ARG(k % tile_config(kNarrow).k_multiple() == 0, "sm90 gemm: FP8 mode: K (H for L1, "
+                    "I for L2) must be a multiple of ", tile_config(kNarrow).k_multiple(), ", got ", k);
+  return Fp8Plan{{{kNarrow, 0, kFp8WideMinAvg}, {kWide, kFp8WideMinAvg, 0}}};
 }
 
 std::ostream& operator<<(std::ostream& os, const TileConfig& t) {

@@ -58,10 +58,22 @@ struct TileChoice {
   const char* reason = "";  // one line: the rule that chose it
 };
 
-// FP8 mode (the E4M3 tiles, TileConfig::fp8): the tile for an FP8 launch of reduction K (a
-// multiple of 128; kInvalidArgument otherwise). One tile so far, whatever the rows (docs/perf.md,
-// "FP8 mode"): the layer runs the FP8 mode only from LayerConfig::fp8_min_rows_per_expert on.
-TileId choose_fp8_tile(int64_t k);
+// FP8 mode (the E4M3 tiles, TileConfig::fp8): the launches of an FP8 GEMM of reduction K (a
+// multiple of 128; kInvalidArgument otherwise), each gated on the actual rows per hit expert
+// (GemmParams::gate_min_avg / gate_max_avg: exactly one runs): 128 x 192 up to kFp8WideMinAvg
+// rows per expert, 128 x 256 above (each expert's rows in one n-tile, its weights converted once
+// per 256 rows instead of twice; docs/tuning-log.md). The layer runs the FP8 mode only from
+// LayerConfig::fp8_min_rows_per_expert on.
+constexpr int kFp8WideMinAvg = 192;
+struct Fp8Launch {
+  TileId tile;
+  int gate_min_avg, gate_max_avg;
+};
+constexpr int kNumFp8Launches = 2;
+struct Fp8Plan {
+  Fp8Launch launch[kNumFp8Launches];
+};
+Fp8Plan plan_fp8_launches(int64_t k);
 
 TileChoice choose_tile(const TileQuery& q);
 

@@ -95,8 +95,26 @@ TEST(TileTable, TraitsAndSiblings) {
   EXPECT_EQ(sm90::GemmConfig<TileId::kFp8Prefill128x192K2Async>::kBoxesPerStage, 1);
   EXPECT_EQ(sm90::GemmConfig<TileId::kFp8Prefill128x192K2Async>::kSmemBBytes, 192 * 128);
   EXPECT_EQ(sm90::GemmConfig<TileId::kPrefill256x96K2Async2>::kSmemBBytes, 2 * 96 * 128);
-  EXPECT_EQ(sm90::choose_fp8_tile(7168), TileId::kFp8Prefill128x192K2Async);
-  EXPECT_THROW(sm90::choose_fp8_tile(2880), Error);
+  // The FP8 plan: 128 x 192 up to 192 rows per expert, 128 x 256 above; exactly one admits any
+  // row count (the gates split the axis at one point).
+  const sm90::Fp8Plan plan = sm90::plan_fp8_launches(7168);
+  EXPECT_EQ(plan.launch[0].tile, TileId::kFp8Prefill128x192K2Async);
+  EXPECT_EQ(plan.launch[1].tile, TileId::kFp8Prefill128x256K2Async);
+  for (int64_t avg : {1, 100, 192, 193, 256, 5000}) {
+    int admitted = 0;
+    for (const sm90::Fp8Launch& l : plan.launch) {
+      sm90::GemmParams p{};
+      p.gate_min_avg = l.gate_min_avg;
+      p.gate_max_avg = l.gate_max_avg;
+      if (sm90::gate_admits(p, avg * 7, 7)) {
+        ++admitted;
+        EXPECT_EQ(l.tile, avg <= 192 ? TileId::kFp8Prefill128x192K2Async
+                                     : TileId::kFp8Prefill128x256K2Async) << avg;
+      }
+    }
+    EXPECT_EQ(admitted, 1) << avg;
+  }
+  EXPECT_THROW(sm90::plan_fp8_launches(2880), Error);
   EXPECT_EQ(sm90::GemmConfig<TileId::kPrefill256x96K2Async2>::kThreads, 512);
   EXPECT_EQ(sm90::GemmConfig<TileId::kPrefill256x96K2Async2>::kMathRegs, 168);
   EXPECT_EQ(sm90::GemmConfig<TileId::kDecode128x8K4Warp>::kThreads, 160);
