@@ -33,7 +33,8 @@ sys.path.insert(0, HERE)
 from common import SHAPES, TOKEN_COUNTS, effective_tflops, floors  # noqa: E402
 
 PEERS = ('torch-bf16', 'deepgemm-fp8', 'deepgemm-mega', 'deepgemm-mega-fp4', 'triton-mxfp4',
-         'flashinfer-sm90-mxfp4', 'marlin-mxfp4-w4a16')
+         'flashinfer-sm90-mxfp4', 'marlin-mxfp4-w4a16',
+         'megamoe-py-fp8')   # megamoe's FP8 mode, listed beside the peers (ratio: megamoe-py / it)
 MEGAMOE_PY = 'megamoe-py'      # megamoe's Python layer on the peers' exact inputs (peer_megamoe.py)
 SYSTEMS = (MEGAMOE_PY,) + PEERS
 JIT_PEERS = ('deepgemm-fp8', 'deepgemm-mega', 'deepgemm-mega-fp4', 'triton-mxfp4',

@@ -22,14 +22,20 @@ class MegamoePython:
     graphable = True
     capacity = 8192
     backend = 'sm90'      # selftest.py runs the same adapter on megamoe's 'cpu' backend
+    precision = 'exact'
 
     def __init__(self, shape: Shape, weights: MxWeights):
         import megamoe
         ep_size = shape.num_experts // shape.bench_experts
         config = megamoe.LayerConfig(shape.name, ep_size=ep_size, ep_rank=0,
-                                     max_tokens_per_rank=self.capacity)
+                                     max_tokens_per_rank=self.capacity, precision=self.precision)
         mw = megamoe.MoeWeights.from_arrays(weights.w13, weights.w13_sf, weights.w2, weights.w2_sf, 0,
                                             weights.w13_bias, weights.w2_bias)
+        # The peers' inputs route every token to the bench's experts (EP8 per-rank work for
+        # kimi-k3: a rank whose group holds T x ep_size tokens); the layer's FP8 rule estimates
+        # rows per expert as T * K / E over all E experts, so its threshold is scaled by the ranks
+        # to see the same rows per local expert as it would under that group (forward_ep: T x R).
+        config.fp8_min_rows_per_expert = -(-config.fp8_min_rows_per_expert // ep_size)
         self.layer = megamoe.MoELayer(config, mw, backend=self.backend)
         self.fast_math = bool(config.fast_math)
         self.hidden = shape.hidden
@@ -59,3 +65,11 @@ class MegamoePython:
             return y
 
         return run
+
+
+class MegamoePythonFp8(MegamoePython):
+    """The same with precision='fp8' (docs/numerics.md "FP8 mode"), applied by the layer's own rule
+    (LayerConfig.fp8_min_rows_per_expert, default 128 routed rows per expert; the exact mode below)."""
+    name = 'megamoe-py-fp8'
+    description = "megamoe.MoELayer (sm90 backend), precision='fp8', on the peers' exact inputs"
+    precision = 'fp8'

@@ -40,11 +40,12 @@ def peer_classes():
     from peer_torch import TorchBf16Chain
     from peer_deepgemm import DeepGemmFp8Chain, DeepGemmMegaMoe, DeepGemmMegaMoeFp4
     from peer_triton import TritonMatmulOgs
-    from peer_megamoe import MegamoePython
+    from peer_megamoe import MegamoePython, MegamoePythonFp8
     from peer_flashinfer import FlashInferSm90Mxfp4
     from peer_marlin import MarlinMxfp4W4A16
     return {c.name: c for c in (TorchBf16Chain, DeepGemmFp8Chain, DeepGemmMegaMoe, DeepGemmMegaMoeFp4,
-                                TritonMatmulOgs, FlashInferSm90Mxfp4, MarlinMxfp4W4A16, MegamoePython)}
+                                TritonMatmulOgs, FlashInferSm90Mxfp4, MarlinMxfp4W4A16, MegamoePython,
+                                MegamoePythonFp8)}
 
 
 def input_seed(num_tokens: int, set_index: int) -> int:
@@ -227,7 +228,7 @@ def measure_ceilings(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--peer', help='one of: torch-bf16, deepgemm-fp8, deepgemm-mega, deepgemm-mega-fp4, triton-mxfp4, flashinfer-sm90-mxfp4, marlin-mxfp4-w4a16, megamoe-py')
+    ap.add_argument('--peer', help='one of: torch-bf16, deepgemm-fp8, deepgemm-mega, deepgemm-mega-fp4, triton-mxfp4, flashinfer-sm90-mxfp4, marlin-mxfp4-w4a16, megamoe-py, megamoe-py-fp8')
     ap.add_argument('--shape', choices=sorted(SHAPES))
     ap.add_argument('--tokens', default=','.join(map(str, common.TOKEN_COUNTS)))
     ap.add_argument('--out', help='JSON lines file to append to')

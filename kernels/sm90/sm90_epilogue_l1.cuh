@@ -178,20 +178,25 @@ __device__ __forceinline__ void finish_l1_block(const GemmParams& p, const TileI
     // saturation, exact decode; NaN here is the canonical NaN of GPU arithmetic, see
     // docs/numerics.md).
     const float scale = exp2i(kUe8m0Bias - b);
+    // FP8 tiles (the FP8 mode) write no h_act: their L2 reads E4M3 rows rebased from h_q / h_sf.
     uint32_t q_words[2] = {0u, 0u};
     uint32_t act_words[4];
 #pragma unroll
     for (int e = 0; e < kChunk; e += 2) {
       const uint16_t q2 = ptx::cvt_e4m3x2_satfinite(v[e] * scale, v[e + 1] * scale);
-      float d0, d1;
-      ptx::e4m3x2_to_f32x2(q2, d0, d1);
-      act_words[e / 2] = ptx::cvt_bf16x2_rn(d0 * unscale, d1 * unscale);
+      if constexpr (!Cfg::kFp8) {
+        float d0, d1;
+        ptx::e4m3x2_to_f32x2(q2, d0, d1);
+        act_words[e / 2] = ptx::cvt_bf16x2_rn(d0 * unscale, d1 * unscale);
+      }
       q_words[e / 4] |= static_cast<uint32_t>(q2) << (16 * ((e / 2) % 2));
     }
     const int64_t base = row * I + j0;
     *reinterpret_cast<uint2*>(p.h_q + base) = make_uint2(q_words[0], q_words[1]);
-    *reinterpret_cast<uint4*>(p.h_act + base) =
-        make_uint4(act_words[0], act_words[1], act_words[2], act_words[3]);
+    if constexpr (!Cfg::kFp8) {
+      *reinterpret_cast<uint4*>(p.h_act + base) =
+          make_uint4(act_words[0], act_words[1], act_words[2], act_words[3]);
+    }
     if (k4 == 0) p.h_sf[row * (I / kChannelsPerGroup) + mblk] = static_cast<uint8_t>(b);
   }
 }

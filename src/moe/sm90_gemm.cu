@@ -295,8 +295,9 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
   check_common("launch_l1", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
   if (a.max_rows == 0) return;  // no rows can exist
   const bool fp8 = a.act_fp8 != nullptr;
-  MEGAMOE_CHECK_ARG((fp8 || a.act) && a.row_weights && a.w13 && a.w13_sf && a.h_q && a.h_sf && a.h_act,
-                    "launch_l1: act (or act_fp8), row_weights, w13, w13_sf, h_q, h_sf, h_act: "
+  // h_act: the exact mode's L2 operand; the FP8 tiles do not write it (may be null there).
+  MEGAMOE_CHECK_ARG((fp8 || (a.act && a.h_act)) && a.row_weights && a.w13 && a.w13_sf && a.h_q && a.h_sf,
+                    "launch_l1: act and h_act (or act_fp8), row_weights, w13, w13_sf, h_q, h_sf: "
                     "expected device pointers, got a null one");
   MEGAMOE_CHECK_ARG(!fp8 || (a.act_row_factor != nullptr && a.w13_row_exp != nullptr),
                     "launch_l1: FP8 mode (act_fp8 given): act_row_factor and w13_row_exp: "

@@ -288,6 +288,7 @@ L1Args Sm90Layer::l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, b
     l1.act_fp8 = view_.act_fp8;
     l1.act_row_factor = view_.act_factor;
     l1.w13_row_exp = view_.w13_row_exp;
+    l1.h_act = nullptr;  // the FP8 L2 reads h_fp8 (rebased from h_q / h_sf)
     l1.tile = TileRequest::automatic();
   }
   l1.programmatic = pdl;
