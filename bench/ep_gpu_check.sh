@@ -20,24 +20,13 @@ mkdir -p "$OUT"
 LOG=$OUT/log.txt
 STEPS=${STEPS:-tests cli model python ncclpy bench}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-export NCCL_NVLS_ENABLE=0
-NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
-[ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
-t0=$(date +%s)
-say() { echo "== +$(( $(date +%s) - t0 ))s $*" | tee -a "$LOG"; }
-[ -e "${SRC_BUILT_AT:-/work/main}" ] || { mkdir -p "$(dirname "${SRC_BUILT_AT:-/work/main}")"; ln -s "$ROOT" "${SRC_BUILT_AT:-/work/main}"; }
+. "$(dirname "$0")/device_common.sh"
 say "nccl lib: ${NCCL_LIB:-none}"
 # megamoe_tests' CLI cases look for the program in the folder it was built in (BUILT_DIR).
 BUILT_DIR=${BUILT_DIR:-/work/main/build-new}
 [ -e "$BUILT_DIR/megamoe" ] || { mkdir -p "$BUILT_DIR" && ln -s "$BIN/megamoe" "$BUILT_DIR/megamoe"; }
 
-if has python || has ncclpy; then
-  (cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
-     -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" \
-     -DMEGAMOE_NCCL_INCLUDE_DIR="$ROOT/.carry/deps/nccl/include" &&
-   ninja -C /tmp/build-py -j10) >"$OUT/python_build.log" 2>&1 &
-  pybuild=$!
-fi
+if has python || has ncclpy; then start_python_build 10; fi
 if has tests; then
   say "gpu tests Ep* ModelGpu*"
   timeout 300 "$BIN/megamoe_gpu_tests" --gtest_filter='Ep*:ModelGpu*' >"$OUT/gpu_tests.log" 2>&1

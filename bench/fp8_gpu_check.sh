@@ -19,21 +19,9 @@ STEPS=${STEPS:-tests python bench}
 BENCH_ARGS=${BENCH_ARGS:---shape kimi-k3,deepseek-v3 --tokens 512,4096,8192 --no-stages}
 FP8_MIN_ROWS=${FP8_MIN_ROWS:-0}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-export NCCL_NVLS_ENABLE=0
-NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
-[ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
-t0=$(date +%s)
-say() { echo "== +$(( $(date +%s) - t0 ))s $*" | tee -a "$LOG"; }
-# The test binaries find the example model through their compiled-in source path.
-[ -e /work/main ] || { mkdir -p /work && ln -s "$ROOT" /work/main; }
+. "$(dirname "$0")/device_common.sh"
 
-if has python; then
-  (cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
-     -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" \
-     -DMEGAMOE_NCCL_INCLUDE_DIR="$ROOT/.carry/deps/nccl/include" &&
-   ninja -C /tmp/build-py -j12) >"$OUT/python_build.log" 2>&1 &
-  pybuild=$!
-fi
+if has python; then start_python_build 12; fi
 if has tests; then
   say "gpu tests (all)"
   timeout ${TESTS_TIMEOUT:-280} "$BIN/megamoe_gpu_tests" --gtest_filter="${TESTS_FILTER:-*}" \

@@ -72,6 +72,32 @@ struct Sm90Flags {
   }
 };
 
+// --precision and --fp8-min-rows (run, model, bench): the expert GEMMs' precision and the FP8
+// mode's per-call rule (LayerConfig::precision, fp8_min_rows_per_expert; docs/numerics.md).
+struct PrecisionFlags {
+  std::string precision = "exact";
+  int64_t fp8_min_rows = LayerConfig{}.fp8_min_rows_per_expert;
+
+  void add_to(CLI::App& app) {
+    app.add_option("--precision", precision,
+                   "Expert GEMMs: exact (the contract) or fp8 (the FP8 mode of docs/numerics.md, "
+                   "on both backends; sm90: H and I multiples of 128)")
+        ->check(CLI::IsMember({"exact", "fp8"}))
+        ->capture_default_str();
+    app.add_option("--fp8-min-rows", fp8_min_rows,
+                   "With --precision fp8: the FP8 mode for calls with at least this many routed "
+                   "rows per expert on average (T*K/E), the exact mode below; 0 = every call")
+        ->check(CLI::NonNegativeNumber)
+        ->capture_default_str();
+  }
+  // Sets `precision` and `fp8_min_rows_per_expert` of a LayerConfig or the model's options.
+  template <class Options>
+  void apply(Options& options) const {
+    options.precision = parse_precision(precision);
+    options.fp8_min_rows_per_expert = fp8_min_rows;
+  }
+};
+
 // Exit codes shared by the commands.
 constexpr int kExitOk = 0;
 constexpr int kExitError = 1;         // a megamoe::Error or other failure while running

@@ -73,8 +73,7 @@ struct BenchOptions {
   std::string routing = "uniform";
   std::string activation;  // empty: each shape's preset
   bool exact = false;
-  std::string precision = "exact";
-  int64_t fp8_min_rows = LayerConfig{}.fp8_min_rows_per_expert;
+  PrecisionFlags precision;
   int ep_size = 1;
   int replays = 10;
   int warmup = 2;
@@ -346,8 +345,7 @@ int run_bench(const BenchOptions& o) {
     config.activation = o.activation.empty() ? activation_preset(shape_name)
                                              : Activation::parse(o.activation);
     config.fast_math = !o.exact;
-    config.precision = parse_precision(o.precision);
-    config.fp8_min_rows_per_expert = o.fp8_min_rows;
+    o.precision.apply(config);
     o.sm90.apply(config);
     config.validate();
     const LayerShape& s = config.shape;
@@ -524,15 +522,7 @@ const Command kBench{
       app.add_option("--routing", o->routing, "uniform | skewed | adversarial")->capture_default_str();
       app.add_option("--activation", o->activation, "activation spec (default: the shape's preset)");
       app.add_flag("--exact", o->exact, "fast_math off (exact exp and division in the epilogue)");
-      app.add_option("--precision", o->precision,
-                     "expert GEMMs: exact (the contract) or fp8 (docs/numerics.md \"FP8 mode\")")
-          ->check(CLI::IsMember({"exact", "fp8"}))
-          ->capture_default_str();
-      app.add_option("--fp8-min-rows", o->fp8_min_rows,
-                     "with --precision fp8: FP8 for calls with at least this many routed rows per "
-                     "expert (T*K/E), exact below; 0 = every call")
-          ->check(CLI::NonNegativeNumber)
-          ->capture_default_str();
+      o->precision.add_to(app);
       app.add_option("--ep-size", o->ep_size, "expert-parallel size; rank 0's share is timed")->capture_default_str();
       app.add_option("--replays", o->replays, "timed graph replays per point")->capture_default_str();
       app.add_option("--warmup", o->warmup, "untimed replays first")->capture_default_str();

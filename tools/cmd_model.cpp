@@ -34,8 +34,7 @@ struct ModelCmdOptions {
   int64_t show = 3;
   int threads = 0;
   bool fast_math = false;
-  std::string precision = "exact";
-  int64_t fp8_min_rows = LayerConfig{}.fp8_min_rows_per_expert;
+  PrecisionFlags precision;
   int ep_size = 1;
   double gate = model::kAccuracyGate;
   bool json = false;
@@ -56,8 +55,7 @@ int run_model(const ModelCmdOptions& o) {
   model::ModelOptions mo;
   mo.backend = o.backend;
   mo.fast_math = o.fast_math;
-  mo.precision = parse_precision(o.precision);
-  mo.fp8_min_rows_per_expert = o.fp8_min_rows;
+  o.precision.apply(mo);
   mo.ep_size = o.ep_size;
   model::KimiMiniModel m = model::KimiMiniModel::load(dir, mo);
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -86,7 +84,7 @@ int run_model(const ModelCmdOptions& o) {
     j["backend"] = m.moe_backend();
     j["threads"] = num_threads();
     j["fast_math"] = o.fast_math;
-    j["precision"] = o.precision;
+    j["precision"] = o.precision.precision;
     j["ep_size"] = m.ep_size();
     j["config"] = {{"d_model", c.d_model}, {"layers", c.n_layers}, {"experts", c.num_experts},
                    {"top_k", c.top_k}, {"latent", c.latent_dim},
@@ -111,7 +109,7 @@ int run_model(const ModelCmdOptions& o) {
                 static_cast<long long>(c.num_experts), static_cast<long long>(c.top_k),
                 static_cast<long long>(c.latent_dim), static_cast<long long>(c.expert_intermediate),
                 m.moe_backend().c_str(), ep.c_str(), o.fast_math ? "on" : "off (exact)",
-                o.precision.c_str(), num_threads());
+                o.precision.precision.c_str(), num_threads());
     std::printf("  loaded    in %.2f s, warm-up %.2f s\n", load_s, warm_s);
     for (int64_t i = 0; i < std::min<int64_t>(o.show, r.total); ++i) {
       const auto& p = problems[static_cast<size_t>(i)];
@@ -147,16 +145,7 @@ CommandMain setup_model_command(CLI::App& app) {
   app.add_flag("--fast-math", o->fast_math,
                "fast_math on (the layer default: approximate exp/rcp in the expert activation); "
                "default off, as the model was trained");
-  app.add_option("--precision", o->precision,
-                 "MoE GEMMs: exact (the contract) or fp8 (the FP8 mode of docs/numerics.md, on both "
-                 "backends; sm90: one GPU, H and I multiples of 128)")
-      ->check(CLI::IsMember({"exact", "fp8"}))
-      ->capture_default_str();
-  app.add_option("--fp8-min-rows", o->fp8_min_rows,
-                 "With --precision fp8: the FP8 mode for calls with at least this many routed rows "
-                 "per expert on average (T*K/E), the exact mode below; 0 = every call")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
+  o->precision.add_to(app);
   app.add_option("--ep-size", o->ep_size,
                  "Spread each MoE layer's experts over R virtual EP ranks on the GPU (sm90 "
                  "backend; R must divide the model's experts); each call's tokens are split into "

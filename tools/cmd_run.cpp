@@ -49,8 +49,7 @@ struct RunOptions {
   std::string activation;  // empty = the preset's
   std::string backend = "auto";
   bool exact = false;
-  std::string precision = "exact";
-  int64_t fp8_min_rows = LayerConfig{}.fp8_min_rows_per_expert;
+  PrecisionFlags precision;
   uint64_t seed = 0;
   int ep_size = 1;
   int ep_rank = 0;
@@ -179,8 +178,7 @@ RunSetup setup_run(const RunOptions& o) {
   if (o.top_k) cfg.shape.top_k = o.top_k;
   cfg.activation = o.activation.empty() ? activation_preset(o.shape) : Activation::parse(o.activation);
   cfg.fast_math = !o.exact;
-  cfg.precision = parse_precision(o.precision);
-  cfg.fp8_min_rows_per_expert = o.fp8_min_rows;
+  o.precision.apply(cfg);
   cfg.ep_size = o.ep_size;
   cfg.ep_rank = o.ep_rank;
   MEGAMOE_CHECK_ARG(o.tokens >= 0, "--tokens must be >= 0, got ", o.tokens);
@@ -672,16 +670,7 @@ const Command kRun{
           ->capture_default_str();
       app.add_flag("--exact", o->exact,
                    "fast_math off: exact expf and division in the activation (default: fast_math on)");
-      app.add_option("--precision", o->precision,
-                     "Expert GEMMs: exact (the contract) or fp8 (the FP8 mode of docs/numerics.md, on "
-                     "both backends; sm90: one GPU, H and I multiples of 128)")
-          ->check(CLI::IsMember({"exact", "fp8"}))
-          ->capture_default_str();
-      app.add_option("--fp8-min-rows", o->fp8_min_rows,
-                     "With --precision fp8: the FP8 mode for calls with at least this many routed "
-                     "rows per expert on average (T*K/E), the exact mode below; 0 = every call")
-          ->check(CLI::NonNegativeNumber)
-          ->capture_default_str();
+      o->precision.add_to(app);
       app.add_option("--seed", o->seed, "Seed of weights, routing and activations")
           ->check(kUnsignedInteger)
           ->capture_default_str();

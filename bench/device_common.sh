@@ -1,0 +1,23 @@
+# Sourced by the one-call device scripts (ep_gpu_check.sh, fp8_gpu_check.sh) after they set ROOT,
+# OUT and LOG: the environment of the GPU machine and the steps they share.
+#   - NCCL: torch's nvidia-nccl wheel's libnccl first on the library path (the machine's own is
+#     older than the headers the binaries were built with: docs/design.md), NVLS off;
+#   - say MSG: a timestamped line in $LOG;
+#   - the source path the test binaries have compiled in ($SRC_BUILT_AT, default /work/main)
+#     linked to this tree, so they find examples/;
+#   - start_python_build JOBS: the Python extension built from this tree into /tmp/build-py in the
+#     background (log $OUT/python_build.log, pid $pybuild), with .carry/deps and its NCCL headers.
+export NCCL_NVLS_ENABLE=0
+NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+[ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+t0=$(date +%s)
+say() { echo "== +$(( $(date +%s) - t0 ))s $*" | tee -a "$LOG"; }
+SRC_BUILT_AT=${SRC_BUILT_AT:-/work/main}
+[ -e "$SRC_BUILT_AT" ] || { mkdir -p "$(dirname "$SRC_BUILT_AT")" && ln -s "$ROOT" "$SRC_BUILT_AT"; }
+start_python_build() {
+  (cmake -S . -B /tmp/build-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_BUILD_PYTHON=ON \
+     -DMEGAMOE_BUILD_TESTS=OFF -DMEGAMOE_BUILD_TOOLS=OFF -DMEGAMOE_DEPS_DIR="$ROOT/.carry/deps" \
+     -DMEGAMOE_NCCL_INCLUDE_DIR="$ROOT/.carry/deps/nccl/include" &&
+   ninja -C /tmp/build-py -j"${1:-12}") >"$OUT/python_build.log" 2>&1 &
+  pybuild=$!
+}
