@@ -1,55 +1,14 @@
 // sm90_gemm_scheduler.cuh: the persistent tile schedule of the grouped GEMMs, built on the device
-// from row_offsets (no host synchronization: the grid is sized from the SM count alone).
-//
-// Tiles are enumerated expert by expert; inside an expert, m-tile (weight rows) major and n-tile
-// (token rows) minor, so the tiles that share a weight tile run on neighbouring CTAs at about the
-// same time and re-read it from L2. CTA b takes tiles b, b + gridDim.x, ...
+// from row_offsets (no host synchronization: the grid is sized from the SM count alone). The
+// schedule's lookups (TileScheduler) are in sm90_tile_schedule.hpp, host + device.
 #pragma once
 
 #include <cstdint>
 
 #include "sm90/sm90_gemm_config.hpp"  // kMaxLocalExperts
+#include "sm90/sm90_tile_schedule.hpp"  // TileInfo, TileScheduler (host + device)
 
 namespace megamoe::sm90 {
-
-struct TileInfo {
-  int expert;
-  int m_block0;      // first 64-row weight block of the tile
-  int num_m_blocks;  // valid 64-row blocks (the last m-tile may be partial)
-  int row0;          // first token row
-  int num_rows;      // valid token rows, 1..BLOCK_N
-};
-
-template <int kBlockN, int kMBlocksPerCta>
-struct TileScheduler {
-  const int32_t* offsets;  // smem [E + 1]: row offsets
-  const int32_t* prefix;   // smem [E + 1]: exclusive prefix of tiles per expert
-  int num_experts;
-  int total_m_blocks;      // m_rows / 64
-  int m_tiles;             // ceil(total_m_blocks / kMBlocksPerCta)
-
-  __device__ int total_tiles() const { return prefix[num_experts]; }
-
-  __device__ TileInfo get(int tile) const {
-    // Last expert whose prefix <= tile (empty experts share their successor's prefix).
-    int lo = 0, hi = num_experts;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (prefix[mid] <= tile) lo = mid; else hi = mid;
-    }
-    const int rows = offsets[lo + 1] - offsets[lo];
-    const int n_tiles = (rows + kBlockN - 1) / kBlockN;
-    const int local = tile - prefix[lo];
-    const int mt = local / n_tiles, nt = local % n_tiles;
-    TileInfo info;
-    info.expert = lo;
-    info.m_block0 = mt * kMBlocksPerCta;
-    info.num_m_blocks = min(kMBlocksPerCta, total_m_blocks - info.m_block0);
-    info.row0 = offsets[lo] + nt * kBlockN;
-    info.num_rows = min(kBlockN, rows - nt * kBlockN);
-    return info;
-  }
-};
 
 // Inclusive sum of v over the lanes 0..lane of the warp (all 32 lanes call it).
 __device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
