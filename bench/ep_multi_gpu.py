@@ -19,7 +19,8 @@ tests/python/test_ep_multi_gpu_harness.py checks the host-side parts.
 LD_LIBRARY_PATH and sets NCCL_NVLS_ENABLE=0 for its children (never NVLink multicast) before
 starting them; the parent itself never loads NCCL.
 
-What it runs (--steps correctness,perf; --shapes kimi-k3,deepseek-v3):
+What it runs (--steps correctness,perf; --shapes kimi-k3,deepseek-v3; --precision exact|fp8 for
+every layer, the FP8 mode by the layer's own rule):
 
 correctness, per shape, capacity --check-tokens (64) per rank. Global inputs are made identically
   on every rank (synthetic_activations / make_routing of the whole R * T rows); rank r takes rows
@@ -381,6 +382,9 @@ def parse_args(argv=None):
     ap.add_argument("--timing", choices=("graph", "eager"), default="graph")
     ap.add_argument("--deadline-s", type=float, default=420.0,
                     help="the children are killed after this long")
+    ap.add_argument("--precision", choices=("exact", "fp8"), default="exact",
+                    help="every layer's precision (fp8: the FP8 mode by the layer's rule, "
+                         "docs/numerics.md; run the command once per precision)")
     ap.add_argument("--out", default="/tmp/ep_multi")
     args = ap.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
@@ -455,8 +459,10 @@ class Child:
     def cfg(self, shape, cap, tile="auto", ep=True):
         if ep:
             return self.mm.LayerConfig(shape, ep_size=self.ranks, ep_rank=self.rank,
-                                       max_tokens_per_rank=cap, gemm_tile=tile)
-        return self.mm.LayerConfig(shape, max_tokens_per_rank=cap, gemm_tile=tile)
+                                       max_tokens_per_rank=cap, gemm_tile=tile,
+                                       precision=self.args.precision)
+        return self.mm.LayerConfig(shape, max_tokens_per_rank=cap, gemm_tile=tile,
+                                   precision=self.args.precision)
 
     # -- correctness
     def correctness(self, shape):
@@ -685,8 +691,10 @@ class Child:
         group = self.group(f"perf_{shape}", base_cfg, self.args.timeout_s, max_recv_rows=rows)
         ep = mm.MoELayer(base_cfg, mm.synthetic_weights(base_cfg, SEED), backend="sm90",
                          group=group)
+        # (its rule sees T*K/E_l rows per expert, as the EP layer's T x R does)
         one_cfg = mm.LayerConfig(mm.LayerShape(sh.hidden, sh.intermediate, e_local, sh.top_k),
-                                 activation=base_cfg.activation, max_tokens_per_rank=tmax)
+                                 activation=base_cfg.activation, max_tokens_per_rank=tmax,
+                                 precision=self.args.precision)
         one = mm.MoELayer(one_cfg, mm.synthetic_weights(one_cfg, SEED), backend="sm90")
         self.emit(kind="built", shape=shape, step="perf", max_recv_rows=rows)
         for t in self.args.tokens:

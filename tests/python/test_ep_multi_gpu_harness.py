@@ -206,8 +206,11 @@ def test_help_and_args():
         assert opt in out.stdout
     a = epm.parse_args(["--tokens", "1,8", "--steps", "perf", "--shapes", "deepseek-v3"])
     assert a.tokens == [1, 8] and a.steps == ["perf"] and a.shapes == ["deepseek-v3"]
+    assert a.precision == "exact" and epm.parse_args(["--precision", "fp8"]).precision == "fp8"
     with pytest.raises(SystemExit):
         epm.parse_args(["--steps", "nonsense"])
+    with pytest.raises(SystemExit):
+        epm.parse_args(["--precision", "bf16"])
 
 
 def _gpu_skip_reason():
