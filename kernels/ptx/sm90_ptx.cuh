@@ -264,30 +264,31 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
 }
 
 // a * (h, h) where h is the low (kHigh = false) or high half of b: the broadcast is an operand
-// modifier of the multiply (HMUL2 ... R.H0_H0 / R.H1_H1), not an instruction.
+// modifier of the multiply (HMUL2 ... R.H0_H0 / R.H1_H1), not an instruction. One PTX text for
+// both element types (TYPE bf16x2 or f16x2, HALF lo or hi).
+#define MEGAMOE_PTX_MUL_X2_BY_HALF(TYPE, HALF)                                              \
+  "{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {" HALF ", " HALF \
+  "};\n mul.rn." TYPE " %0, %1, bb;\n}"
+
 template <bool kHigh>
 __device__ __forceinline__ uint32_t mul_bf16x2_by_half(uint32_t a, uint32_t b) {
   uint32_t d;
   if constexpr (kHigh) {
-    asm("{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {hi, hi};\n"
-        " mul.rn.bf16x2 %0, %1, bb;\n}" : "=r"(d) : "r"(a), "r"(b));
+    asm(MEGAMOE_PTX_MUL_X2_BY_HALF("bf16x2", "hi") : "=r"(d) : "r"(a), "r"(b));
   } else {
-    asm("{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {lo, lo};\n"
-        " mul.rn.bf16x2 %0, %1, bb;\n}" : "=r"(d) : "r"(a), "r"(b));
+    asm(MEGAMOE_PTX_MUL_X2_BY_HALF("bf16x2", "lo") : "=r"(d) : "r"(a), "r"(b));
   }
   return d;
 }
 
-// f16x2 a * (b's low or high half, in both halves): one HMUL2 with a half selector.
+// The same in f16x2 (the FP8 mode's weight conversion).
 template <bool kHigh>
 __device__ __forceinline__ uint32_t mul_f16x2_by_half(uint32_t a, uint32_t b) {
   uint32_t d;
   if constexpr (kHigh) {
-    asm("{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {hi, hi};\n"
-        " mul.rn.f16x2 %0, %1, bb;\n}" : "=r"(d) : "r"(a), "r"(b));
+    asm(MEGAMOE_PTX_MUL_X2_BY_HALF("f16x2", "hi") : "=r"(d) : "r"(a), "r"(b));
   } else {
-    asm("{\n .reg .b16 lo, hi;\n .reg .b32 bb;\n mov.b32 {lo, hi}, %2;\n mov.b32 bb, {lo, lo};\n"
-        " mul.rn.f16x2 %0, %1, bb;\n}" : "=r"(d) : "r"(a), "r"(b));
+    asm(MEGAMOE_PTX_MUL_X2_BY_HALF("f16x2", "lo") : "=r"(d) : "r"(a), "r"(b));
   }
   return d;
 }
