@@ -1,5 +1,6 @@
-# Sourced by the one-call device scripts (ep_gpu_check.sh, fp8_gpu_check.sh) after they set ROOT,
-# OUT and LOG: the environment of the GPU machine and the steps they share.
+# Sourced by the one-call device scripts (ep_gpu_check.sh, fp8_gpu_check.sh) after they set ROOT
+# (the tree) and STEPS: the environment of the GPU machine and the steps they share.
+#   - OUT (default $ROOT/out) created, LOG=$OUT/log.txt; has STEP: whether STEPS names it;
 #   - NCCL: torch's nvidia-nccl wheel's libnccl first on the library path (the machine's own is
 #     older than the headers the binaries were built with: docs/design.md), NVLS off;
 #   - say MSG: a timestamped line in $LOG;
@@ -7,6 +8,10 @@
 #     linked to this tree, so they find examples/;
 #   - start_python_build JOBS: the Python extension built from this tree into /tmp/build-py in the
 #     background (log $OUT/python_build.log, pid $pybuild), with .carry/deps and its NCCL headers.
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+has() { [[ " $STEPS " == *" $1 "* ]]; }
 export NCCL_NVLS_ENABLE=0
 NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
 [ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}

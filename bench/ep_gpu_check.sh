@@ -15,11 +15,7 @@
 set -uo pipefail
 BIN=$(cd "${1:?usage: ep_gpu_check.sh BIN_DIR}" && pwd)
 ROOT=$PWD
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-LOG=$OUT/log.txt
 STEPS=${STEPS:-tests cli model python ncclpy bench}
-has() { [[ " $STEPS " == *" $1 "* ]]; }
 . "$(dirname "$0")/device_common.sh"
 say "nccl lib: ${NCCL_LIB:-none}"
 # megamoe_tests' CLI cases look for the program in the folder it was built in (BUILT_DIR).

@@ -12,13 +12,9 @@
 set -uo pipefail
 BIN=$(cd "${1:?usage: fp8_gpu_check.sh BIN_DIR}" && pwd)
 ROOT=$PWD
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-LOG=$OUT/log.txt
 STEPS=${STEPS:-tests python bench}
 BENCH_ARGS=${BENCH_ARGS:---shape kimi-k3,deepseek-v3 --tokens 512,4096,8192 --no-stages}
 FP8_MIN_ROWS=${FP8_MIN_ROWS:-0}
-has() { [[ " $STEPS " == *" $1 "* ]]; }
 . "$(dirname "$0")/device_common.sh"
 
 if has python; then start_python_build 12; fi
@@ -45,20 +41,14 @@ if has gemmbench; then
   grep -E "^\[bench\].*(fp8|tile=auto )|^exit" "$OUT/gemm_bench.txt" | cut -c1-150 >>"$LOG"
 fi
 if has ncu; then
-  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  . "$(dirname "$0")/ncu_full.sh"
   for run in ${NCU_RUNS:-deepseek-v3:4096}; do
     IFS=: read -r shape nt <<<"$run"
     tag="fp8_${shape}_t${nt}"
     say "nsight compute ($tag)"
-    timeout ${NCU_TIMEOUT:-200} "$NCU" -k regex:grouped_gemm --launch-count 2 --set full \
-      --import-source no -f -o "/tmp/ncu_$tag" "$BIN/megamoe" bench --precision fp8 --fp8-min-rows 0 \
-      --shape "$shape" --tokens "$nt" --replays 1 --warmup 0 --no-stages --no-ceilings \
-      >"$OUT/ncu_$tag.log" 2>&1
-    echo "exit $?" >>"$OUT/ncu_$tag.log"
-    "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --print-details all >"$OUT/ncu_$tag.txt" 2>&1
-    "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --page source --print-source sass --csv \
-      >"/tmp/ncu_${tag}_sass.csv" 2>&1
-    python3 bench/ncu_sass_summary.py "/tmp/ncu_${tag}_sass.csv" 60 >"$OUT/ncu_${tag}_sass_summary.txt" 2>&1
+    ncu_full "$tag" "$OUT" "$OUT/ncu_$tag.log" "${NCU_TIMEOUT:-200}" "$BIN/megamoe" bench \
+      --precision fp8 --fp8-min-rows 0 --shape "$shape" --tokens "$nt" --replays 1 --warmup 0 \
+      --no-stages --no-ceilings
     grep -E "grouped_gemm|Duration|Compute \(SM\) Throughput|Issued Warp|Executed Ipc A|^exit" \
       "$OUT/ncu_$tag.txt" | head -20 >>"$LOG"
   done

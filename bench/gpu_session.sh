@@ -165,21 +165,14 @@ for step in $STEPS; do
     # kimi-k3:64; TILE: a tile name forced with --tile).
     # NCU_FULL=1: the full section set plus per-instruction (SASS) samples; the details in $OUT,
     # the source page summarized by bench/ncu_sass_summary.py and kept gzipped.
-    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    . "$ROOT/bench/ncu_full.sh"
     for run in ${NCU_RUNS:-kimi-k3:64}; do
       IFS=: read -r shape nt ftile <<<"$run"
       tag="${shape}_t${nt}${ftile:+_tile$ftile}"
       say "nsight compute on the GEMMs ($tag)"
       if [ "${NCU_FULL:-0}" = 1 ]; then
-        timeout 200 "$NCU" -k regex:grouped_gemm \
-          --launch-count "${NCU_COUNT:-2}" --set full --import-source no -f -o "/tmp/ncu_$tag" \
-          "$CLI" bench --tile "${ftile:-auto}" --shape "$shape" --tokens "$nt" --replays 1 >"$LOGS/ncu_$tag.log" 2>&1
-        echo "exit $?" >>"$LOGS/ncu_$tag.log"
-        "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --print-details all >"$OUT/ncu_$tag.txt" 2>&1
-        "$NCU" --import "/tmp/ncu_$tag.ncu-rep" --page source --print-source sass --csv \
-          >"/tmp/ncu_${tag}_sass.csv" 2>&1
-        python3 bench/ncu_sass_summary.py "/tmp/ncu_${tag}_sass.csv" 80 >"$OUT/ncu_${tag}_sass_summary.txt" 2>&1
-        gzip -c "/tmp/ncu_${tag}_sass.csv" >"$OUT/ncu_${tag}_sass.csv.gz"
+        ncu_full "$tag" "$OUT" "$LOGS/ncu_$tag.log" 200 \
+          "$CLI" bench --tile "${ftile:-auto}" --shape "$shape" --tokens "$nt" --replays 1
       else
         timeout 150 "$NCU" -k regex:grouped_gemm \
           --launch-count "${NCU_COUNT:-2}" --section SpeedOfLight \
