@@ -48,11 +48,12 @@ class Command {
 // All registered commands, sorted by name.
 std::vector<CommandInfo> registered_commands();
 
-// The Hopper backend's options as flags (`run`, `bench`): --tile, --no-pdl, --rows-hint, mapped
+// The Hopper backend's options as flags (`run`, `bench`): --tile, --no-pdl, --mega, --rows-hint, mapped
 // onto LayerConfig::sm90 (validated with the config).
 struct Sm90Flags {
   std::string tile = "auto";
   bool no_pdl = false;
+  bool mega = false;
   std::string rows_hint = "gated";
 
   void add_to(CLI::App& app) {
@@ -61,6 +62,9 @@ struct Sm90Flags {
                    "tiles) or a tile name (megamoe bench --list-tiles)")
         ->capture_default_str();
     app.add_flag("--no-pdl", no_pdl, "plain launches instead of programmatic dependent launch");
+    app.add_flag("--mega", mega,
+                 "the MegaMoE kernel: both expert GEMMs in one persistent launch for calls with "
+                 "up to 12 rows per expert (exact mode); the chain of launches otherwise");
     app.add_option("--rows-hint", rows_hint,
                    "how the tile policy estimates a launch's rows: gated | bound | expected")
         ->capture_default_str();
@@ -68,6 +72,7 @@ struct Sm90Flags {
   void apply(LayerConfig& config) const {
     config.sm90.gemm_tile = tile;
     config.sm90.programmatic_launch = !no_pdl;
+    config.sm90.mega_kernel = mega;
     config.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
   }
 };

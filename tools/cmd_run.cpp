@@ -301,6 +301,7 @@ int run_slice(const RunOptions& o, const RunSetup& s, std::chrono::steady_clock:
     j["fast_math"] = cfg.fast_math;
     j["precision"] = to_string(cfg.precision);
     j["gemm_tile"] = cfg.sm90.gemm_tile;
+    j["mega_kernel"] = cfg.sm90.mega_kernel;
     j["ep"] = {{"mode", "slice"}, {"size", cfg.ep_size}, {"rank", cfg.ep_rank},
                {"first_local_expert", cfg.first_local_expert()},
                {"local_experts", cfg.num_local_experts()}, {"local_slots", local_slots}};
@@ -569,6 +570,7 @@ int run_virtual(const RunOptions& o, const RunSetup& s, std::chrono::steady_cloc
     j["backend"] = backend_name;
     j["fast_math"] = base.fast_math;
     j["gemm_tile"] = base.sm90.gemm_tile;
+    j["mega_kernel"] = base.sm90.mega_kernel;
     nlohmann::json ranks = nlohmann::json::array();
     for (int r = 0; r < R; ++r) {
       const auto& t = rank_times[static_cast<size_t>(r)];

@@ -57,6 +57,11 @@ struct Sm90Options {
   std::string gemm_tile = "auto";
   bool programmatic_launch = true;  // programmatic dependent launch between the six kernels
   RowsHintMode rows_hint = RowsHintMode::kGated;
+  // The MegaMoE kernel (issue 32; docs/design.md): both expert GEMMs of a call in one persistent
+  // launch, each L2 tile starting once the L1 tiles of its rows are written, for the calls with
+  // up to 12 routed rows per local expert on average in the exact mode (the other calls chain the
+  // two GEMM launches). The same results bit for bit as the chain on the same tile.
+  bool mega_kernel = false;
 };
 
 struct LayerConfig {

@@ -169,6 +169,22 @@ __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threa
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Device-scope counters between CTAs of one grid (the MegaMoE kernel's ready counters): a
+// release add after a CTA-scope barrier publishes the stores the barrier ordered before it; an
+// acquire load that sees the count makes them visible to this thread.
+__device__ __forceinline__ void red_release_gpu_add(int32_t* p, int32_t v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// Orders this thread's generic-proxy view of global memory before its later async-proxy
+// operations (TMA reads of rows that other CTAs wrote with ordinary stores).
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
 // BF16x2 of (lo, hi), each rounded to nearest even (cvt.rn: the bits of megamoe::bf16_from_f32
 // for every non-NaN input; NaN gives the canonical NaN 0x7FFF, docs/numerics.md).
 __device__ __forceinline__ uint32_t cvt_bf16x2_rn(float lo, float hi) {

@@ -86,6 +86,16 @@ struct GemmParams {
   int small_scales = 0;
 };
 
+// The MegaMoE kernel's ABI (kernels/sm90/sm90_mega_moe.cuh): both GEMMs of a call in one launch.
+struct MegaParams {
+  GemmParams l1;                 // as launch_l1 runs it (unsplit, no gate); l1.unit_counter: the
+                                 // units taken at run time (required)
+  GemmParams l2;                 // as launch_l2; the same num_experts, max_rows, row_offsets
+  int32_t* ready = nullptr;      // [ready_capacity]: finished L1 tiles per slot; zero, left zero
+  int32_t* consumed = nullptr;   // [ready_capacity]: L2 tiles past their wait per slot; the same
+  int ready_capacity = 0;        // >= max_schedule_slots(max_rows, E_l, BLOCK_N)
+};
+
 // The launch gate's test: `rows` routed rows over `hits` experts lie in (p.gate_min_avg,
 // p.gate_max_avg] rows per expert (0: no limit on that side; no rows pass as 0 per expert). The
 // kernel applies it (gate_passes); the launcher's plan (sm90::plan_launches) is tested against it.

@@ -199,6 +199,34 @@ __device__ __forceinline__ void fp8_apply_row_factors(
   }
 }
 
+// One pipeline stage's weight and scale copies of `tile` (k-blocks kb .. kb + S - 1), after
+// announcing the stage's bytes, B included, on its full barrier (the B boxes follow).
+template <class Cfg>
+__device__ __forceinline__ void issue_weight_stage(const GemmParams& p, const TileInfo& tile,
+                                                   int total_m_blocks, int num_k_blocks, int kb,
+                                                   uint8_t* smem_a, uint8_t* smem_sf,
+                                                   uint64_t* full_bars, int stage,
+                                                   uint64_t policy) {
+  constexpr int kKSub = Cfg::kKBlocksPerStage;
+  const uint32_t stage_bytes =
+      tile.num_m_blocks * (sm90_layout::kBlockBytes + sm90_layout::kSfBlockBytes) * kKSub +
+      Cfg::kSmemBBytes;
+  const int64_t block_base =
+      (static_cast<int64_t>(tile.expert) * total_m_blocks + tile.m_block0) * num_k_blocks;
+  ptx::mbar_arrive_expect_tx(&full_bars[stage], stage_bytes);
+  // Weight block m's kKSub k-blocks (and their scales) are contiguous in the sm90 layout.
+  for (int m = 0; m < tile.num_m_blocks; ++m) {
+    const int64_t block = block_base + static_cast<int64_t>(m) * num_k_blocks + kb;
+    ptx::bulk_copy_g2s(smem_a + stage * Cfg::kSmemABytes + m * kKSub * sm90_layout::kBlockBytes,
+                       p.w + block * sm90_layout::kBlockBytes, kKSub * sm90_layout::kBlockBytes,
+                       &full_bars[stage], policy);
+    ptx::bulk_copy_g2s(
+        smem_sf + stage * Cfg::kSmemSfBytes + m * kKSub * sm90_layout::kSfBlockBytes,
+        p.sf + block * sm90_layout::kSfBlockBytes, kKSub * sm90_layout::kSfBlockBytes,
+        &full_bars[stage], policy);
+  }
+}
+
 template <class Cfg, GemmKind kKind>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
@@ -327,25 +355,9 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
     if (threadIdx.x != Cfg::kNumMathWG * Cfg::kWarpgroupThreads) return;
     const uint64_t policy = ptx::policy_evict_first();
     constexpr int kKSub = Cfg::kKBlocksPerStage;
-    // One stage's weight and scale copies (expected bytes: the whole stage, B included).
     auto copy_weights = [&](const TileInfo& tile, int kb, int stage) {
-      const uint32_t stage_bytes =
-          tile.num_m_blocks * (sm90_layout::kBlockBytes + sm90_layout::kSfBlockBytes) * kKSub +
-          Cfg::kSmemBBytes;
-      const int64_t block_base =
-          (static_cast<int64_t>(tile.expert) * total_m_blocks + tile.m_block0) * num_k_blocks;
-      ptx::mbar_arrive_expect_tx(&full_bars[stage], stage_bytes);
-      // Weight block m's kKSub k-blocks (and their scales) are contiguous in the sm90 layout.
-      for (int m = 0; m < tile.num_m_blocks; ++m) {
-        const int64_t block = block_base + static_cast<int64_t>(m) * num_k_blocks + kb;
-        ptx::bulk_copy_g2s(smem_a + stage * Cfg::kSmemABytes + m * kKSub * sm90_layout::kBlockBytes,
-                           p.w + block * sm90_layout::kBlockBytes, kKSub * sm90_layout::kBlockBytes,
-                           &full_bars[stage], policy);
-        ptx::bulk_copy_g2s(
-            smem_sf + stage * Cfg::kSmemSfBytes + m * kKSub * sm90_layout::kSfBlockBytes,
-            p.sf + block * sm90_layout::kSfBlockBytes, kKSub * sm90_layout::kSfBlockBytes,
-            &full_bars[stage], policy);
-      }
+      issue_weight_stage<Cfg>(p, tile, total_m_blocks, num_k_blocks, kb, smem_a, smem_sf,
+                              full_bars, stage, policy);
     };
     // PDL: the weights do not depend on the previous kernel, so the first unit's first stages
     // (stages 0.. of phase 0, whose empty barriers are free) get their weight copies now; the

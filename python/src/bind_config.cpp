@@ -38,7 +38,8 @@ std::string config_repr(const LayerConfig& c) {
                         c.activation.to_string(), "', ep_size=", c.ep_size, ", ep_rank=", c.ep_rank,
                         ", max_tokens_per_rank=", c.max_tokens_per_rank,
                         ", fast_math=", c.fast_math ? "True" : "False", ", precision='",
-                        to_string(c.precision), "', gemm_tile='", c.sm90.gemm_tile, "')");
+                        to_string(c.precision), "', gemm_tile='", c.sm90.gemm_tile, "'",
+                        c.sm90.mega_kernel ? ", mega_kernel=True" : "", ")");
 }
 
 }  // namespace
@@ -122,7 +123,7 @@ void register_config(nb::module_& m) {
              int ep_size, int ep_rank, int64_t max_tokens_per_rank, bool fast_math,
              const std::string& gemm_tile, bool programmatic_launch, const std::string& rows_hint,
              bool sync_error_check, const std::string& precision,
-             int64_t fp8_min_rows_per_expert) {
+             int64_t fp8_min_rows_per_expert, bool mega_kernel) {
             LayerConfig c;
             c.shape = to_shape(shape);
             if (activation) {
@@ -137,6 +138,7 @@ void register_config(nb::module_& m) {
             c.sm90.gemm_tile = gemm_tile;
             c.sm90.programmatic_launch = programmatic_launch;
             c.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
+            c.sm90.mega_kernel = mega_kernel;
             c.sync_error_check = sync_error_check;
             c.precision = parse_precision(precision);
             c.fp8_min_rows_per_expert = fp8_min_rows_per_expert;
@@ -148,7 +150,7 @@ void register_config(nb::module_& m) {
           nb::arg("fast_math") = true, nb::arg("gemm_tile") = "auto",
           nb::arg("programmatic_launch") = true, nb::arg("rows_hint") = "gated",
           nb::arg("sync_error_check") = false, nb::arg("precision") = "exact",
-          nb::arg("fp8_min_rows_per_expert") = 128,
+          nb::arg("fp8_min_rows_per_expert") = 128, nb::arg("mega_kernel") = false,
           "shape: a LayerShape or a preset name ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b', "
           "'small'). activation: an Activation or a spec string; None takes the preset's "
           "activation when shape is a name, else 'swiglu'. gemm_tile, programmatic_launch, "
@@ -159,8 +161,10 @@ void register_config(nb::module_& m) {
           "the next call or at MoELayer.check_errors(). precision: 'exact' (the contract) or 'fp8' "
           "(the FP8 mode of docs/numerics.md, for calls with at least fp8_min_rows_per_expert routed "
           "rows per expert on average, T * K / E; 0: every call), on both backends; sm90 raises "
-          "UnsupportedError for it with expert parallelism or H, I not multiples of 128. Validated "
-          "on construction.")
+          "UnsupportedError for it with H, I not multiples of 128. mega_kernel: the sm90 backend runs "
+          "both expert GEMMs of a call with up to 12 routed rows per expert (exact mode) in one "
+          "persistent launch, the MegaMoE kernel (the same results as the chained launches). "
+          "Validated on construction.")
       .def_rw("shape", &LayerConfig::shape)
       .def_rw("activation", &LayerConfig::activation)
       .def_rw("ep_size", &LayerConfig::ep_size)
@@ -174,6 +178,9 @@ void register_config(nb::module_& m) {
       .def_prop_rw(
           "programmatic_launch", [](const LayerConfig& c) { return c.sm90.programmatic_launch; },
           [](LayerConfig& c, bool v) { c.sm90.programmatic_launch = v; })
+      .def_prop_rw(
+          "mega_kernel", [](const LayerConfig& c) { return c.sm90.mega_kernel; },
+          [](LayerConfig& c, bool v) { c.sm90.mega_kernel = v; })
       .def_prop_rw(
           "rows_hint", [](const LayerConfig& c) { return std::string(to_string(c.sm90.rows_hint)); },
           [](LayerConfig& c, const std::string& v) { c.sm90.rows_hint = parse_rows_hint_mode(v); })

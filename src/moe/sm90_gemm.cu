@@ -291,9 +291,8 @@ void weight_row_exponents(const uint8_t* sf, int num_experts, int64_t m_rows, in
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_l1(const L1Args& a, cudaStream_t stream) {
+GemmParams l1_params(const L1Args& a) {
   check_common("launch_l1", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
-  if (a.max_rows == 0) return;  // no rows can exist
   const bool fp8 = a.act_fp8 != nullptr;
   // h_act: the exact mode's L2 operand; the FP8 tiles do not write it (may be null there).
   MEGAMOE_CHECK_ARG((fp8 || (a.act && a.h_act)) && a.row_weights && a.w13 && a.w13_sf && a.h_q && a.h_sf,
@@ -333,13 +332,20 @@ void launch_l1(const L1Args& a, cudaStream_t stream) {
   }
   set_split_k(p, a.split_k, a.k_splits, "launch_l1");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
-  launch<GemmKind::kL1>(p, a.rows_hint, a.rows_per_expert_max, a.tile,
-                        fp8 ? static_cast<const void*>(a.act_fp8) : a.act, stream);
+  return p;
 }
 
-void launch_l2(const L2Args& a, cudaStream_t stream) {
+void launch_l1(const L1Args& a, cudaStream_t stream) {
+  if (a.max_rows == 0) {  // no rows can exist
+    check_common("launch_l1", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
+    return;
+  }
+  launch<GemmKind::kL1>(l1_params(a), a.rows_hint, a.rows_per_expert_max, a.tile,
+                        a.act_fp8 != nullptr ? static_cast<const void*>(a.act_fp8) : a.act, stream);
+}
+
+GemmParams l2_params(const L2Args& a) {
   check_common("launch_l2", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
-  if (a.max_rows == 0) return;
   const bool fp8 = a.h_fp8 != nullptr;
   MEGAMOE_CHECK_ARG((fp8 || a.h_act) && a.w2 && a.w2_sf && a.out,
                     "launch_l2: h_act (or h_fp8), w2, w2_sf, out: expected device pointers, got a "
@@ -372,8 +378,16 @@ void launch_l2(const L2Args& a, cudaStream_t stream) {
   }
   set_split_k(p, a.split_k, a.k_splits, "launch_l2");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
-  launch<GemmKind::kL2>(p, a.rows_hint, a.rows_per_expert_max, a.tile,
-                        fp8 ? static_cast<const void*>(a.h_fp8) : a.h_act, stream);
+  return p;
+}
+
+void launch_l2(const L2Args& a, cudaStream_t stream) {
+  if (a.max_rows == 0) {
+    check_common("launch_l2", a.num_experts, a.hidden, a.intermediate, a.max_rows, a.row_offsets);
+    return;
+  }
+  launch<GemmKind::kL2>(l2_params(a), a.rows_hint, a.rows_per_expert_max, a.tile,
+                        a.h_fp8 != nullptr ? static_cast<const void*>(a.h_fp8) : a.h_act, stream);
 }
 
 #if MEGAMOE_DIAG_TIMELINE

@@ -21,6 +21,19 @@ namespace megamoe::sm90 {
 template <TileId kId, GemmKind kKind>
 void launch_tile(const GemmParams& p, const void* b_rows, cudaStream_t stream);
 
+// Launches the MegaMoE kernel (kernels/sm90/sm90_mega_moe.cuh) of tile kId (kMegaTiles) on
+// `stream`: act and h_act are L1's and L2's bf16 token rows. Checks what the tile asks of K and
+// the scales, and shared memory, first.
+template <TileId kId>
+void launch_mega_tile(const MegaParams& mp, const void* act, const void* h_act, cudaStream_t stream);
+template <TileId kId>
+void load_mega_tile();
+
+// The GemmParams of launch_l1 / launch_l2 (their argument checks included), for the MegaMoE
+// launcher (sm90_mega.cu).
+GemmParams l1_params(const L1Args& args);
+GemmParams l2_params(const L2Args& args);
+
 // Loads tile kId's kernel of kind kKind into the context now (CUDA loads kernels lazily, at
 // their first launch, and that load waits for the device to be idle: see load_gemm_kernels).
 template <TileId kId, GemmKind kKind>

@@ -83,6 +83,9 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   v.split_k.counters_capacity = split_k_counters();
   v.split_k.counters = carver.take<int32_t>(v.split_k.counters_capacity);
   v.split_k.unit_counter = carver.take<int32_t>(2);  // decode launches take units at run time
+  v.mega.capacity = mega_counters(rows, static_cast<int>(c.num_local_experts()));
+  v.mega.ready = carver.take<int32_t>(v.mega.capacity);
+  v.mega.consumed = carver.take<int32_t>(v.mega.capacity);
   *bytes = carver.bytes();
   return v;
 }
@@ -227,6 +230,7 @@ void Sm90Layer::init_workspace() {
     // would wait for the device: ranks waiting on each other there never let it finish).
     load_stage_kernels();
     load_gemm_kernels();
+    load_mega_kernels();
     ep::load_kernels();
   }
   int64_t bytes = 0;
@@ -323,6 +327,13 @@ L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, b
   return l2;
 }
 
+bool Sm90Layer::launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
+                                   cudaStream_t stream) {
+  if (!config_.sm90.mega_kernel || fp8) return false;
+  return launch_mega(l1_args(rows_hint, per_expert_max, pdl), l2_args(rows_hint, per_expert_max, pdl),
+                     view_.mega, stream);
+}
+
 void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                         int64_t num_tokens, uint16_t* y, cudaStream_t stream, Stage last) {
   if (ep_ != nullptr) return forward_ep(x, topk_idx, topk_weights, num_tokens, y, stream);
@@ -378,15 +389,18 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   }
   if (done(Stage::kGather)) return;
 
+  // The MegaMoE kernel (config.sm90.mega_kernel) runs both GEMMs where its policy takes the
+  // call; the stage prefix "l1" then times both.
   const RowsHint rows = rows_hint(config_, num_tokens, slots);
-  launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
-  if (fp8) {
-    launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
-                            s.intermediate, slots, view_.h_fp8, view_.h_factor, stream, pdl);
+  if (!launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream)) {
+    launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
+    if (fp8) {
+      launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
+                              s.intermediate, slots, view_.h_fp8, view_.h_factor, stream, pdl);
+    }
+    if (done(Stage::kL1)) return;
+    launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
   }
-  if (done(Stage::kL1)) return;
-
-  launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
   if (done(Stage::kL2)) return;
 
   launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream, pdl);
@@ -449,13 +463,15 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   }
 
   const RowsHint rows = ep_rows_hint(config_, t, g.size, max_rows_);
-  launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
-  if (fp8) {
-    launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
-                            s.intermediate, max_rows_, view_.h_fp8, view_.h_factor, stream, pdl,
-                            grid_rows);
+  if (!launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream)) {
+    launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
+    if (fp8) {
+      launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
+                              s.intermediate, max_rows_, view_.h_fp8, view_.h_factor, stream, pdl,
+                              grid_rows);
+    }
+    launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
   }
-  launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
 
   ep::launch_return(p, view_.out, view_.row_offsets, view_.row_slot, stream, pdl);
   if (t > 0)

@@ -32,6 +32,7 @@
 #include "megamoe/ep.hpp"
 #include "megamoe/weights.hpp"
 #include "moe/sm90_gemm.hpp"
+#include "moe/sm90_mega.hpp"
 
 #if defined(MEGAMOE_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -71,6 +72,7 @@ struct WorkspaceView {
   uint8_t* w2_row_exp = nullptr;   // [E_l, H]
   DispatchError* error = nullptr;
   SplitKWorkspace split_k;         // L1 and L2 in turn (one stream); counters zeroed once
+  MegaWorkspace mega;              // the MegaMoE kernel's slot counters; zeroed once
 };
 
 class Sm90Layer {
@@ -137,6 +139,10 @@ class Sm90Layer {
   // fp8: the call runs the FP8 mode (LayerConfig::fp8_for_tokens).
   L1Args l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false) const;
   L2Args l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false) const;
+  // Both GEMMs in one launch of the MegaMoE kernel where config.sm90.mega_kernel is on and its
+  // policy takes the call (launch_mega); false: nothing launched, the caller chains them.
+  bool launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
+                          cudaStream_t stream);
   void forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                   int64_t num_tokens, uint16_t* y, cudaStream_t stream);
 

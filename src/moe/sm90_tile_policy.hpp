@@ -99,6 +99,46 @@ struct LaunchPlan {
 LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num_experts,
                          int64_t max_rows);
 
+// The MegaMoE kernel (kernels/sm90/sm90_mega_moe.cuh: L1 and L2 in one persistent launch) runs
+// one tile for both GEMMs, from the tiles it is built for (kMegaTiles). Its rule: calls whose row
+// estimate is in a decode class (<= kDecodeMaxAvgRows per expert), small scales (the overlapped
+// tiles), no serial request. L1's tiles alone come first (every L2 tile waits for L1 tiles), so
+// where they would leave CTA slots idle L1 is split in K as the chained decode launch would
+// split it (the 128 x 16 split tile, L2 unsplit); otherwise the 128 x 8 tile up to
+// kDecode8MaxAvgRows rows per expert, 128 x 16 above; each the sibling that takes both K (H and
+// I). A forced tile that the kernel is built for runs as forced (unsplit). Otherwise nothing
+// (the caller chains the two GEMM launches). `l1` is L1's query (its split fields included).
+inline constexpr TileId kMegaTiles[] = {
+    TileId::kDecode128x8K4Warp,        TileId::kDecode128x8K2Warp,
+    TileId::kDecode128x8K1Warp,        TileId::kDecode128x16K2Warp,
+    TileId::kDecode128x16K1Warp,       TileId::kDecode128x16K2WarpSplitK,
+    TileId::kDecode128x16K1WarpSplitK};
+constexpr int kNumMegaTiles = 7;
+constexpr int mega_tile_index(TileId id) {
+  for (int i = 0; i < kNumMegaTiles; ++i) {
+    if (kMegaTiles[i] == id) return i;
+  }
+  return -1;
+}
+namespace policy_detail {
+constexpr bool mega_tiles_valid() {
+  for (TileId id : kMegaTiles) {
+    if (!tile_config(id).mega_kernel() || mega_tile_index(shallower_sibling(id)) < 0) return false;
+  }
+  return sizeof(kMegaTiles) / sizeof(kMegaTiles[0]) == kNumMegaTiles;
+}
+}  // namespace policy_detail
+static_assert(policy_detail::mega_tiles_valid(), "the MegaMoE kernel's tiles are TileConfig::mega_kernel "
+              "tiles, and each one's shallower siblings are built too");
+struct MegaChoice {
+  bool fused = false;  // false: chain the two GEMM launches
+  TileId tile = TileId::kDecode128x16K2Warp;
+  int l1_splits = 1;   // K parts of each L1 tile (a split tile), L2 unsplit
+  const char* reason = "";
+};
+MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_scales,
+                            const TileRequest& request);
+
 // Split-K workspace the policy may use on a device of `sm_count` SMs: tiles that can be split
 // (counters) and FP32 partials (at most one unit per CTA slot of the split tile).
 int64_t split_k_counters_for(int sm_count);

@@ -273,6 +273,75 @@ TEST(TilePolicy, DecodeWithoutWorkspace) {
   EXPECT_EQ(sm90::choose_tile(q).tile, TileId::kDecode128x8K4Warp);
 }
 
+// The MegaMoE kernel's policy (choose_mega_tile): decode-class calls with small scales, the tile
+// that takes both K; everything else chained.
+TEST(TilePolicy, MegaKernelTakesDecodeCallsOnly) {
+  auto query = [](const char* shape, int64_t tokens) {
+    const LayerShape s = shape_preset(shape);
+    sm90::TileQuery q;
+    q.rows_hint = tokens * s.top_k;
+    q.max_rows = 8192 * s.top_k;
+    q.num_experts = static_cast<int>(s.num_experts);
+    q.m_rows = 2 * s.intermediate;
+    q.k = s.hidden;
+    q.sm_count = kH200Sms;
+    q.small_scales = true;
+    q.unit_counter = true;
+    return q;
+  };
+  const auto automatic = sm90::TileRequest::automatic();
+  struct Case {
+    const char* shape;
+    int64_t tokens;
+    bool fused;
+    TileId tile;
+  };
+  for (const Case& c : {Case{"kimi-k3", 1, true, TileId::kDecode128x8K4Warp},
+                        Case{"kimi-k3", 64, true, TileId::kDecode128x8K4Warp},
+                        Case{"kimi-k3", 512, true, TileId::kDecode128x16K2Warp},
+                        Case{"kimi-k3", 4096, false, TileId::kDecode128x16K2Warp},
+                        Case{"deepseek-v3", 1, true, TileId::kDecode128x8K4Warp},
+                        Case{"deepseek-v3", 64, true, TileId::kDecode128x8K4Warp},
+                        Case{"deepseek-v3", 512, false, TileId::kDecode128x16K2Warp},
+                        // H = 2880 = 45 x 64: the k1 sibling takes it
+                        Case{"gpt-oss-120b", 1, true, TileId::kDecode128x8K1Warp}}) {
+    const LayerShape s = shape_preset(c.shape);
+    const sm90::MegaChoice m = sm90::choose_mega_tile(query(c.shape, c.tokens), s.intermediate, true, automatic);
+    EXPECT_EQ(m.fused, c.fused) << c.shape << " T=" << c.tokens;
+    if (m.fused) EXPECT_EQ(m.tile, c.tile) << c.shape << " T=" << c.tokens << ": " << m.reason;
+  }
+  const sm90::TileQuery q = query("deepseek-v3", 1);
+  EXPECT_FALSE(sm90::choose_mega_tile(q, 2048, false, automatic).fused) << "large L2 scales";
+  sm90::TileQuery large = q;
+  large.small_scales = false;
+  EXPECT_FALSE(sm90::choose_mega_tile(large, 2048, true, automatic).fused) << "large L1 scales";
+  EXPECT_FALSE(sm90::choose_mega_tile(q, 2048, true, sm90::TileRequest::serial()).fused);
+  const auto forced = [&](TileId id) { return sm90::choose_mega_tile(q, 2048, true, sm90::TileRequest::forced(id)); };
+  EXPECT_TRUE(forced(TileId::kDecode128x16K1Warp).fused);
+  EXPECT_EQ(forced(TileId::kDecode128x16K1Warp).tile, TileId::kDecode128x16K1Warp);
+  EXPECT_FALSE(forced(TileId::kPrefill256x128K2Staged).fused) << "not built for the MegaMoE kernel";
+  EXPECT_TRUE(forced(TileId::kDecode128x16K2WarpSplitK).fused);
+  EXPECT_EQ(forced(TileId::kDecode128x16K2WarpSplitK).l1_splits, 1) << "a forced tile runs unsplit";
+  // With a split workspace, L1 is split where its tiles alone leave CTA slots idle (deepseek-v3
+  // T = 1: 8 experts x 32 m-tiles on 528 slots), as the chained decode launch would.
+  sm90::TileQuery split = q;
+  split.split_allowed = true;
+  split.split_counters_capacity = sm90::split_k_counters_for(kH200Sms);
+  split.split_partial_floats = sm90::split_k_partial_floats_for(kH200Sms);
+  const sm90::MegaChoice ds1 = sm90::choose_mega_tile(split, 2048, true, automatic);
+  EXPECT_TRUE(ds1.fused);
+  EXPECT_EQ(ds1.tile, TileId::kDecode128x16K2WarpSplitK) << ds1.reason;
+  EXPECT_EQ(ds1.l1_splits, 2);
+  sm90::TileQuery kimi1 = query("kimi-k3", 1);  // 16 x 48 L1 tiles fill the slots: unsplit
+  kimi1.split_allowed = true;
+  kimi1.split_counters_capacity = split.split_counters_capacity;
+  kimi1.split_partial_floats = split.split_partial_floats;
+  EXPECT_EQ(sm90::choose_mega_tile(kimi1, shape_preset("kimi-k3").intermediate, true, automatic).l1_splits, 1);
+  EXPECT_FALSE(sm90::choose_mega_tile(q, 2880, true, sm90::TileRequest::forced(TileId::kDecode128x8K4Warp)).fused)
+      << "a forced tile that does not take I";
+  for (TileId id : sm90::kMegaTiles) EXPECT_TRUE(sm90::tile_config(id).mega_kernel()) << id;
+}
+
 TEST(LayerOptions, TileAndRowsHintAreValidated) {
   LayerConfig c;
   c.shape = shape_preset("small");

@@ -16,7 +16,7 @@ namespace {
 constexpr const char* kFixedTile = "prefill_256x128_k2_staged";
 
 LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kFixedTile,
-                      Precision precision = Precision::kExact) {
+                      Precision precision = Precision::kExact, bool mega = false) {
   LayerConfig c;
   c.shape = shape_preset(shape);
   c.activation = activation_preset(shape);
@@ -24,6 +24,7 @@ LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kF
   c.sm90.gemm_tile = tile;
   c.precision = precision;
   c.fp8_min_rows_per_expert = 0;  // with precision fp8: every call (one FP8 tile, no split-K)
+  c.sm90.mega_kernel = mega;
   return c;
 }
 
@@ -43,12 +44,12 @@ std::string describe(const std::vector<int64_t>& tokens) {
 // the rows each rank's experts received match the routing.
 void expect_equal_to_one_gpu(const char* shape, int ranks, const std::vector<int64_t>& tokens,
                              Routing routing, uint64_t seed, const char* tile = kFixedTile,
-                             Precision precision = Precision::kExact) {
+                             Precision precision = Precision::kExact, bool mega = false) {
   const int64_t cap = *std::max_element(tokens.begin(), tokens.end());
-  const LayerConfig c = ep_config(shape, std::max<int64_t>(cap, 1), tile, precision);
+  const LayerConfig c = ep_config(shape, std::max<int64_t>(cap, 1), tile, precision, mega);
   SCOPED_TRACE(std::string(shape) + " EP=" + std::to_string(ranks) + " T=" + describe(tokens) +
                " routing " + routing_name(routing) + " tile " + tile + " precision " +
-               to_string(precision));
+               to_string(precision) + (mega ? " MegaMoE kernel" : ""));
   const EpInputs in = make_ep_inputs(c, tokens, routing, seed, 0.1);
   OneGpu one(c, in.total(), seed);
   const std::vector<uint16_t> expected = one.run(in);
@@ -97,6 +98,24 @@ TEST(Ep, VirtualRanksFp8ModeEqualOneGpu) {
   }
   expect_equal_to_one_gpu("deepseek-v3", 8, {33, 1, 0, 64, 8, 17, 64, 2}, Routing::kUniform, 1990,
                           kFixedTile, Precision::kFp8);
+}
+
+// The MegaMoE kernel (LayerConfig::sm90.mega_kernel) on every virtual rank and on the one GPU:
+// R persistent kernels sharing the SMs, each taking its units at run time, equal EP = 1 bit for
+// bit (issue 32's EP = 8 target).
+TEST(Ep, VirtualRanksMegaKernelEqualOneGpu) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 3500;
+  for (Routing routing : {Routing::kUniform, Routing::kSkewed, Routing::kAdversarial}) {
+    expect_equal_to_one_gpu("small", 2, {37, 64}, routing, seed++, "decode_128x16_k2_warp",
+                            Precision::kExact, true);
+    expect_equal_to_one_gpu("small", 8, {16, 3, 0, 64, 7, 0, 1, 40}, routing, seed++,
+                            "decode_128x8_k4_warp", Precision::kExact, true);
+  }
+  expect_equal_to_one_gpu("deepseek-v3", 8, {1, 1, 0, 8, 8, 1, 64, 2}, Routing::kUniform, 3590,
+                          "decode_128x8_k4_warp", Precision::kExact, true);
+  expect_equal_to_one_gpu("kimi-k3", 8, {1, 1, 1, 1, 1, 1, 1, 1}, Routing::kUniform, 3591,
+                          "decode_128x16_k2_warp", Precision::kExact, true);
 }
 
 TEST(Ep, VirtualRanksAllEmpty) {

@@ -152,11 +152,13 @@ struct LayerCase {
   double empty_fraction = 0.0;
   int64_t max_checked_tokens = 1 << 30;  // compare a strided subset beyond this
   std::string gemm_tile = "auto";          // LayerConfig::sm90.gemm_tile
+  bool mega = false;                       // LayerConfig::sm90.mega_kernel
   std::string describe() const {
     return shape + " ep " + std::to_string(ep_rank) + "/" + std::to_string(ep_size) + " T=" +
            std::to_string(tokens) + " routing=" + test::routing_name(routing) + " act=" +
            (activation.empty() ? "preset" : activation) + (fast_math ? " fast_math" : " exact_math") +
-           (bias ? " bias" : "") + " empty=" + std::to_string(empty_fraction) + " tile=" + gemm_tile;
+           (bias ? " bias" : "") + " empty=" + std::to_string(empty_fraction) + " tile=" + gemm_tile +
+           (mega ? " mega" : "");
   }
 };
 
@@ -188,6 +190,7 @@ std::unique_ptr<Sm90Layer> make_layer(const LayerCase& c, LayerConfig* config_ou
   if (!c.activation.empty()) config.activation = Activation::parse(c.activation);
   config.fast_math = c.fast_math;
   config.sm90.gemm_tile = c.gemm_tile;
+  config.sm90.mega_kernel = c.mega;
   *config_out = config;
   return std::make_unique<Sm90Layer>(config, &sd.prepared);
 }
@@ -886,6 +889,131 @@ TEST(Sm90Layer, NonFiniteInputsPropagateLikeTheReference) {
                 static_cast<long long>(tok), static_cast<long long>(nan_gpu), static_cast<long long>(nan_ref));
     EXPECT_EQ(mismatched, 0) << "token " << tok << ": NaN pattern differs from the reference";
   }
+}
+
+}  // namespace
+}  // namespace megamoe::sm90
+
+// ---------------------------------------------------------------------------------------------
+// The MegaMoE kernel (LayerConfig::sm90.mega_kernel; kernels/sm90/sm90_mega_moe.cuh)
+// ---------------------------------------------------------------------------------------------
+namespace megamoe::sm90 {
+namespace {
+
+// Every counter the MegaMoE kernel and the decode launches use is back at zero after a call.
+void expect_counters_zero(const Sm90Layer& layer) {
+  const WorkspaceView& v = layer.workspace();
+  const auto ready = test::download(v.mega.ready, v.mega.capacity);
+  const auto consumed = test::download(v.mega.consumed, v.mega.capacity);
+  const auto units = test::download(v.split_k.unit_counter, 2);
+  EXPECT_EQ(std::count(ready.begin(), ready.end(), 0), v.mega.capacity) << "ready counters left set";
+  EXPECT_EQ(std::count(consumed.begin(), consumed.end(), 0), v.mega.capacity)
+      << "consumed counters left set";
+  EXPECT_EQ(units[0], 0) << "unit counter left set";
+  EXPECT_EQ(units[1], 0) << "CTA exit counter left set";
+}
+
+// The fused kernel against the chain on the same tile: y and the intermediate h_q / h_sf bit for
+// bit (the same mainloop over the same operands), on two calls of each layer.
+void expect_mega_equals_chain(LayerCase c, uint64_t seed) {
+  LayerConfig config;
+  c.mega = false;
+  auto chain = make_layer(c, &config);
+  c.mega = true;
+  auto mega = make_layer(c, &config);
+  SCOPED_TRACE(c.describe());
+  const LayerShape& s = config.shape;
+  const int64_t t = c.tokens;
+  const DeviceInput in = upload_input(c, config, seed);
+  DeviceArray<uint16_t> dy(std::max<int64_t>(t, 1) * s.hidden);
+  const Stream stream;
+  auto run = [&](Sm90Layer& layer) {
+    dy.fill_bytes(0xFF);
+    layer.forward(in.x.get(), in.idx.get(), in.w.get(), t, dy.get(), stream);
+    layer.check_errors(stream);
+    return download_run(layer, t, dy);
+  };
+  const LayerRun want = run(*chain);
+  for (int call = 0; call < 2; ++call) {
+    const LayerRun got = run(*mega);
+    EXPECT_EQ(got.h_q, want.h_q) << "call " << call << ": h_q differs from the chain";
+    EXPECT_EQ(got.h_sf, want.h_sf) << "call " << call << ": h_sf differs from the chain";
+    int64_t differ = 0;
+    for (size_t i = 0; i < got.y.size(); ++i) differ += got.y[i] != want.y[i];
+    EXPECT_EQ(differ, 0) << "call " << call << ": y differs from the chain in " << differ << " of "
+                         << got.y.size();
+    expect_counters_zero(*mega);
+  }
+}
+
+TEST(Sm90Layer, MegaKernelEqualsTheChainBitForBit) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 3200;
+  struct Shape {
+    const char* name;
+    int ep_size, ep_rank;
+  };
+  for (const Shape& sh : {Shape{"small", 1, 0}, Shape{"deepseek-v3", 1, 0}, Shape{"kimi-k3", 8, 3}}) {
+    for (const char* tile : {"decode_128x8_k4_warp", "decode_128x16_k2_warp", "decode_128x16_k1_warp"}) {
+      for (int64_t t : {int64_t(1), int64_t(8), int64_t(64), int64_t(300)}) {
+        for (Routing routing : {Routing::kUniform, Routing::kSkewed, Routing::kAdversarial}) {
+          if (std::string(sh.name) != "small" && routing != Routing::kUniform && t != 64) continue;
+          LayerCase c;
+          c.shape = sh.name;
+          c.ep_size = sh.ep_size;
+          c.ep_rank = sh.ep_rank;
+          c.tokens = t;
+          c.routing = routing;
+          c.empty_fraction = routing == Routing::kSkewed ? 0.1 : 0.0;
+          c.gemm_tile = tile;
+          expect_mega_equals_chain(c, seed++);
+        }
+      }
+    }
+  }
+}
+
+// The policy's tile (auto): the reference checks of every layer test, at decode and prefill
+// token counts (the prefill ones chain the GEMMs), every activation of the small shape.
+TEST(Sm90Layer, MegaKernelAgainstTheReference) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 3300;
+  for (const char* a : {"swiglu", "swiglu:clamp=7", "situ", "swiglu_oai"}) {
+    for (int64_t t : {int64_t(1), int64_t(64), int64_t(513)}) {
+      LayerCase c = small_case(t, a, true);
+      c.mega = true;
+      run_case(c, seed++);
+    }
+  }
+  for (int64_t t : {int64_t(1), int64_t(8), int64_t(64)}) {
+    LayerCase c;
+    c.shape = "deepseek-v3";
+    c.tokens = t;
+    c.mega = true;
+    c.max_checked_tokens = 16;
+    run_case(c, seed++);
+  }
+}
+
+// Graph replay, back-to-back calls with programmatic launch, and the counters' reset between
+// calls, with the fused kernel.
+TEST(Sm90Layer, MegaKernelGraphReplayAndBackToBackCalls) {
+  MEGAMOE_REQUIRE_SM90();
+  LayerCase a;
+  a.shape = "deepseek-v3";
+  a.tokens = 1;
+  a.mega = true;
+  check_graph_and_determinism(a, 3400);
+  check_programmatic_launch(a, 3401);
+  LayerCase b;
+  b.shape = "kimi-k3";
+  b.ep_size = 8;
+  b.ep_rank = 3;
+  b.tokens = 64;
+  b.routing = Routing::kSkewed;
+  b.mega = true;
+  check_graph_and_determinism(b, 3402);
+  check_programmatic_launch(b, 3403);
 }
 
 }  // namespace

@@ -259,6 +259,7 @@ def test_tile_options_change_nothing_but_speed():
     xt, it, wt = _cuda_inputs(x, idx, w)
     ref = _bits(megamoe.MoELayer(base, megamoe.synthetic_weights(base, SEED), backend="sm90")(xt, it, wt))
     for kwargs in ({"gemm_tile": "serial"}, {"gemm_tile": "decode_128x16_k2_warp"},
+                   {"gemm_tile": "decode_128x16_k2_warp", "mega_kernel": True},
                    {"programmatic_launch": False}, {"rows_hint": "bound"}):
         cfg = megamoe.LayerConfig("small", max_tokens_per_rank=TOKENS, **kwargs)
         y = _bits(megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, SEED), backend="sm90")(xt, it, wt))

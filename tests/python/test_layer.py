@@ -349,6 +349,10 @@ def test_hopper_options_are_layer_options():
     assert (cfg.gemm_tile, cfg.programmatic_launch, cfg.rows_hint, cfg.sync_error_check) == (
         "serial", False, "expected", True)
     assert "gemm_tile='serial'" in repr(cfg)
+    assert not cfg.mega_kernel and "mega_kernel" not in repr(cfg)
+    cfg.mega_kernel = True
+    assert megamoe.LayerConfig("small", mega_kernel=True).mega_kernel
+    assert "mega_kernel=True" in repr(cfg)
     with pytest.raises(megamoe.InvalidArgumentError, match="decode_128x16_k2_warp"):
         megamoe.LayerConfig("small", gemm_tile="decode")  # names the tiles it accepts
     with pytest.raises(megamoe.InvalidArgumentError, match="gated, bound or expected"):

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One device call for the MegaMoE kernel (issue 32): the GPU tests (all, or TESTS_FILTER), the
+# Python tests of the sm90 layer (the extension is built there in the background), then
+# `megamoe bench` of the chained GEMMs and of the MegaMoE kernel on the same shapes and token
+# counts, in the order chain, mega, mega, chain (each binary's drift shows as the spread of its
+# two runs). Writes $OUT/log.txt, $OUT/gpu_tests.log, $OUT/python.log and
+# $OUT/bench_{chain,mega}_{1,2}.{txt,jsonl}.
+#
+#   [STEPS="tests python bench"] [BENCH_ARGS="--shape kimi-k3,deepseek-v3 --tokens 1,8,64,512,4096"] \
+#   bench/mega_gpu_check.sh BIN_DIR
+#
+# BIN_DIR holds megamoe and megamoe_gpu_tests built on the development machine from this tree.
+# Needs carry [".carry/deps", BIN_DIR] (the python step builds the extension from .carry/deps).
+set -uo pipefail
+BIN=$(cd "${1:?usage: mega_gpu_check.sh BIN_DIR}" && pwd)
+ROOT=$PWD
+STEPS=${STEPS:-tests python bench}
+BENCH_ARGS=${BENCH_ARGS:---shape kimi-k3,deepseek-v3 --tokens 1,8,64,512,4096}
+. "$(dirname "$0")/device_common.sh"
+
+if has python; then start_python_build 12; fi
+if has tests; then
+  say "gpu tests (${TESTS_FILTER:-all})"
+  timeout ${TESTS_TIMEOUT:-280} "$BIN/megamoe_gpu_tests" --gtest_filter="${TESTS_FILTER:-*}" \
+    >"$OUT/gpu_tests.log" 2>&1
+  echo "exit $?" >>"$OUT/gpu_tests.log"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED)|FAILED|Mega|^exit|Failure" "$OUT/gpu_tests.log" | head -60 >>"$LOG"
+fi
+if has python; then
+  say "python sm90 tests"
+  wait "$pybuild"; echo "python build exit $?" >>"$LOG"; tail -2 "$OUT/python_build.log" >>"$LOG"
+  PYTHONPATH=/tmp/build-py/python MEGAMOE_CLI="$BIN/megamoe" timeout 150 python3 -m pytest -q -rs \
+    -p no:cacheprovider ${PYTESTS:-tests/python/test_gpu.py tests/python/test_layer.py} \
+    >"$OUT/python.log" 2>&1
+  echo "exit $?" >>"$OUT/python.log"
+  grep -E "passed|failed|Error|^exit" "$OUT/python.log" | tail -20 >>"$LOG"
+fi
+if has bench; then
+  for run in chain_1 mega_1 mega_2 chain_2; do
+    say "bench $run"
+    extra=""
+    [[ $run == mega_* ]] && extra="--mega"
+    # shellcheck disable=SC2086
+    timeout ${BENCH_TIMEOUT:-120} "$BIN/megamoe" bench $BENCH_ARGS $extra --replays 5 \
+      --json "$OUT/bench_$run.jsonl" >"$OUT/bench_$run.txt" 2>&1
+    echo "exit $?" >>"$OUT/bench_$run.txt"
+    grep -vE "^$" "$OUT/bench_$run.txt" | tail -14 | cut -c1-200 >>"$LOG"
+  done
+fi
+say "done"

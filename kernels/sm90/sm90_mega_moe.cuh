@@ -1,0 +1,269 @@
+// sm90_mega_moe.cuh: the MegaMoE kernel, first step (issue 32; docs/design.md, "The MegaMoE
+// kernel"): both expert GEMMs of a layer call in one persistent launch, L2 tiles starting as soon
+// as the L1 tiles of their rows are written, with per-slot ready counters instead of a launch
+// boundary.
+//
+// Work list (MegaSchedule, sm90_tile_schedule.hpp): L1's tiles, then L2's, over the same token-row
+// n-tiles; a slot is an (expert, n-tile). CTA b runs unit b first and every CTA's producer takes
+// its next unit from a counter in increasing order, so a unit is only ever taken by a running CTA
+// and every L1 tile is taken before any L2 tile: an L2 tile waits only on L1 tiles that running
+// CTAs will finish, whatever the residency (several virtual EP ranks' kernels on one GPU).
+//
+// Roles (the decode tiles' shape, TileConfig::mega_kernel: one math warpgroup that finishes its
+// own tiles from registers, one producer warp; a split-K tile splits L1's tiles in K, the last
+// part to arrive summing the parts in part order and finishing the tile, as the chained launch):
+//   producer thread: per unit, its stages' weight copies and B boxes (L1: the gathered act rows,
+//                    L2: h_act). An L2 unit whose slot is not ready yet first issues the weight
+//                    copies of its first stages (they depend on nothing), then spins on the
+//                    slot's counter (ld.acquire.gpu, nanosleep back-off, the trap deadline of
+//                    every wait in these kernels), then fence.proxy.async before its TMA reads;
+//                    then counts itself on the slot's consumed counter, and the slot's last L2
+//                    tile sets both counters back to zero (the next call finds them zero).
+//   math warpgroup:  the mainloop of the tile's GEMM, then its epilogue (L1: activation, routing
+//                    weight, requantization to h_q / h_sf / h_act; L2: out). After an L1 tile, a
+//                    warpgroup barrier, and one thread adds 1 to the slot's ready counter with
+//                    release semantics (red.release.gpu): the rows' stores are published.
+// Numerics: every output is the same mainloop over the same operands as the chained launch of
+// the same tile, so the results are the chain's bit for bit.
+#pragma once
+
+#include <cstdint>
+
+#include "sm90/sm90_grouped_gemm_bf16_mxfp4.cuh"
+#include "sm90/sm90_tile_schedule.hpp"
+
+namespace megamoe::sm90 {
+
+// Dynamic shared memory of the kernel: the tile's, plus the second GEMM's tile prefix.
+template <class Cfg>
+constexpr size_t mega_smem_bytes(int num_experts) {
+  return Cfg::smem_bytes(num_experts) + sizeof(int32_t) * static_cast<size_t>(num_experts + 1);
+}
+
+// Spins until *counter reaches target (one thread). Gives up after kWaitTimeoutCycles and traps,
+// like every wait of these kernels (sm90_ptx.cuh: a lost arrival fails loudly, not as a hang).
+__device__ __forceinline__ void wait_count(const int32_t* counter, int target) {
+  if (ptx::ld_acquire_gpu(counter) >= target) return;
+  const long long start = clock64();
+  uint32_t sleep_ns = 32;
+  while (ptx::ld_acquire_gpu(counter) < target) {
+    __nanosleep(sleep_ns);
+    if (sleep_ns < 256) sleep_ns *= 2;
+    if (clock64() - start > ptx::kWaitTimeoutCycles) __trap();
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
+sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
+                     const __grid_constant__ CUtensorMap tmap_h,
+                     const __grid_constant__ MegaParams mp) {
+  static_assert(Cfg::kTile.mega_kernel() && Cfg::kNumMathWG == 1 && !Cfg::kUseSetMaxNReg,
+                "the MegaMoE kernel runs the tiles of TileConfig::mega_kernel");
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* smem_b = smem + Cfg::kOffB;
+  uint8_t* smem_a = smem + Cfg::kOffA;
+  uint8_t* smem_sf = smem + Cfg::kOffSf;
+  uint64_t* full_bars = reinterpret_cast<uint64_t*>(smem + Cfg::kOffBars);
+  uint64_t* empty_bars = full_bars + Cfg::kNumStages;
+  float* smem_amax = reinterpret_cast<float*>(smem + Cfg::kOffAmax);
+  const int num_experts = mp.l1.num_experts;
+  int32_t* s_offsets = reinterpret_cast<int32_t*>(smem + Cfg::kOffSchedule);
+  int32_t* s_prefix1 = s_offsets + (num_experts + 1);
+  int32_t* s_prefix2 = s_prefix1 + (num_experts + 1);
+
+  const int tid = threadIdx.x % Cfg::kWarpgroupThreads;
+  const int m_blocks1 = mp.l1.m_rows / sm90_layout::kBlockRows;
+  const int m_blocks2 = mp.l2.m_rows / sm90_layout::kBlockRows;
+  const int m_tiles1 = (m_blocks1 + Cfg::kMBlocksPerCta - 1) / Cfg::kMBlocksPerCta;
+  const int m_tiles2 = (m_blocks2 + Cfg::kMBlocksPerCta - 1) / Cfg::kMBlocksPerCta;
+  const int k_blocks1 = mp.l1.k / Cfg::kBlockK, k_blocks2 = mp.l2.k / Cfg::kBlockK;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Cfg::kNumStages; ++s) {
+      ptx::mbar_init(&full_bars[s], 1);
+      ptx::mbar_init(&empty_bars[s], Cfg::kWarpgroupThreads);
+    }
+    ptx::mbar_init_fence();
+    ptx::prefetch_tensor_map(&tmap_act);
+    ptx::prefetch_tensor_map(&tmap_h);
+  }
+  // Programmatic dependent launch as in the GEMM kernel (GemmParams::prefetch_before_wait): the
+  // schedule (row_offsets: written two launches back) and the first unit's weight copies come
+  // before the wait for the previous kernel.
+  const bool prefetch = mp.l1.prefetch_before_wait != 0;
+  if (!prefetch) ptx::grid_dependency_wait();
+  build_schedule<Cfg::kThreads, Cfg::kBlockN>(mp.l1.row_offsets, num_experts, mp.l1.max_rows,
+                                              m_tiles1, s_offsets, s_prefix1);
+  __syncthreads();
+  for (int e = threadIdx.x; e <= num_experts; e += Cfg::kThreads) {
+    s_prefix2[e] = s_prefix1[e] / m_tiles1 * m_tiles2;  // the same n-tiles, L2's m-tiles
+  }
+  __syncthreads();
+  const MegaSchedule<Cfg::kBlockN, Cfg::kMBlocksPerCta> ms{
+      {s_offsets, s_prefix1, num_experts, m_blocks1, m_tiles1},
+      {s_offsets, s_prefix2, num_experts, m_blocks2, m_tiles2}};
+  // Units: L1 tile t's K parts t * splits1 + sp (split tiles: mp.l1.k_splits where the workspace
+  // holds them, the same answer in every CTA), then the L2 tiles, unsplit. A part covers stages
+  // [sp S / parts, (sp + 1) S / parts) of the S stages of K.
+  const int splits1 = split_k_units<Cfg>(mp.l1, ms.l1_tiles());
+  const int l1_units = ms.l1_tiles() * splits1;
+  const int num_units = l1_units + ms.l2.total_tiles();
+  auto tile_of = [&](int u) { return u < l1_units ? u / splits1 : u - l1_units + ms.l1_tiles(); };
+  auto k_range = [&](int u, int& kb_begin, int& kb_end) {
+    if (u < l1_units) {
+      const int sp = u % splits1, stages = k_blocks1 / Cfg::kKBlocksPerStage;
+      kb_begin = sp * stages / splits1 * Cfg::kKBlocksPerStage;
+      kb_end = (sp + 1) * stages / splits1 * Cfg::kKBlocksPerStage;
+    } else {
+      kb_begin = 0;
+      kb_end = k_blocks2;
+    }
+  };
+  // The host sizes the counters for the capacity (max_schedule_slots); more slots cannot occur.
+  if (ms.num_slots() > mp.ready_capacity) __trap();
+  // The unit each stage starts (written before the stage's first arrival; -1: no more units).
+  __shared__ int32_t s_stage_unit[Cfg::kNumStages];
+
+  if (threadIdx.x >= Cfg::kWarpgroupThreads) {
+    // ================================ producer ================================
+    if (threadIdx.x != Cfg::kWarpgroupThreads) return;
+    const uint64_t policy = ptx::policy_evict_first();
+    constexpr int kKSub = Cfg::kKBlocksPerStage;
+    int stage = 0;
+    uint32_t phase = 0;
+    int ahead = 0;  // stages from (stage, phase) on whose weight copies are already issued
+    // The weight copies of unit u's k-blocks kb.. into stage s (once the math has freed it);
+    // `first`: the unit's first stage, which names it to the math warpgroup.
+    auto copy_weights = [&](int u, const TileInfo& tile, int kb, bool first, int s, uint32_t ph) {
+      ptx::mbar_wait(&empty_bars[s], ph ^ 1u);
+      if (first) s_stage_unit[s] = u;  // released by the stage's arrival
+      if (u < l1_units) {
+        issue_weight_stage<Cfg>(mp.l1, tile, m_blocks1, k_blocks1, kb, smem_a, smem_sf, full_bars,
+                                s, policy);
+      } else {
+        issue_weight_stage<Cfg>(mp.l2, tile, m_blocks2, k_blocks2, kb, smem_a, smem_sf, full_bars,
+                                s, policy);
+      }
+    };
+    // Unit u's first stages' weight copies (up to the pipeline's depth), ahead of its B boxes.
+    auto copy_weights_ahead = [&](int u, const TileInfo& tile) {
+      int kb_begin, kb_end;
+      k_range(u, kb_begin, kb_end);
+      int s = stage;
+      uint32_t ph = phase;
+      for (int kb = kb_begin; kb < kb_end && ahead < Cfg::kNumStages; kb += kKSub) {
+        copy_weights(u, tile, kb, kb == kb_begin, s, ph);
+        ++ahead;
+        if (++s == Cfg::kNumStages) { s = 0; ph ^= 1u; }
+      }
+    };
+    if (prefetch) {
+      if (static_cast<int>(blockIdx.x) < num_units) {
+        copy_weights_ahead(blockIdx.x, ms.get(tile_of(blockIdx.x)));
+      }
+      ptx::grid_dependency_wait();
+    }
+    // Every read of the previous kernels' outputs and of the counters comes after the wait.
+    ptx::launch_dependents();
+    int u = blockIdx.x;
+    while (u < num_units) {
+      const bool l1 = u < l1_units;
+      const TileInfo tile = ms.get(tile_of(u));
+      if (!l1) {
+        // An L2 tile reads the h rows of its slot: every L1 tile of the slot must be done.
+        const int slot = ms.slot(tile);
+        if (ptx::ld_acquire_gpu(mp.ready + slot) < ms.ready_target()) {
+          if (ahead == 0) copy_weights_ahead(u, tile);
+          wait_count(mp.ready + slot, ms.ready_target());
+        }
+        ptx::fence_proxy_async_global();  // the rows were written by generic-proxy stores
+        if (atomicAdd(mp.consumed + slot, 1) == ms.l2.m_tiles - 1) {
+          // The slot's last L2 tile past its wait: no tile of this call reads either counter again.
+          mp.ready[slot] = 0;
+          mp.consumed[slot] = 0;
+        }
+      }
+      const CUtensorMap* map = l1 ? &tmap_act : &tmap_h;
+      int kb_begin, kb_end;
+      k_range(u, kb_begin, kb_end);
+      for (int kb = kb_begin; kb < kb_end; kb += kKSub) {
+        if (ahead > 0) {
+          --ahead;
+        } else {
+          copy_weights(u, tile, kb, kb == kb_begin, stage, phase);
+        }
+#pragma unroll
+        for (int j = 0; j < Cfg::kBoxesPerStage; ++j) {
+          ptx::tma_load_2d(smem_b + stage * Cfg::kSmemBBytes + j * Cfg::kSmemBBoxBytes, map,
+                           kb * Cfg::kBlockK + j * Cfg::kBoxK, tile.row0, &full_bars[stage]);
+        }
+        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+      }
+      u = static_cast<int>(gridDim.x) + atomicAdd(mp.l1.unit_counter, 1);
+    }
+    // No more units: tell the math warpgroup, count this CTA out; the last one sets the unit
+    // counters back to zero.
+    ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
+    s_stage_unit[stage] = -1;
+    ptx::mbar_arrive(&full_bars[stage]);
+    __threadfence();
+    if (atomicAdd(mp.l1.unit_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(mp.l1.unit_counter, 0);
+      atomicExch(mp.l1.unit_counter + 1, 0);
+    }
+  } else {
+    // ================================ math ================================
+    if (prefetch) ptx::grid_dependency_wait();  // before the first output store
+    using ML = Mainloop<Cfg>;
+    float acc[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2];
+    const typename ML::RowExps rx{};  // exact mode
+    int stage = 0;
+    uint32_t phase = 0;
+    auto next_unit = [&] {
+      ptx::mbar_wait(&full_bars[stage], phase);
+      return static_cast<int>(s_stage_unit[stage]);
+    };
+    for (int u = blockIdx.x; u >= 0 && u < num_units; u = next_unit()) {
+      const bool l1 = u < l1_units;
+      const TileInfo tile = ms.get(tile_of(u));
+      int kb_begin, kb_end;
+      k_range(u, kb_begin, kb_end);
+      dispatch_n<Cfg::kNStep, Cfg::kBlockN>(tile.num_rows, [&](auto n_tag) {
+        ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
+                                                  empty_bars, kb_end - kb_begin, 0, tid, stage,
+                                                  phase, rx);
+      });
+      if constexpr (Cfg::kSupportsSplitK) {
+        // Only the tile's last part to arrive goes on, with the parts summed in part order.
+        if (l1 && splits1 > 1 &&
+            !split_k_reduce<Cfg>(mp.l1, acc, u / splits1, u % splits1, splits1, 0, tid)) {
+          continue;
+        }
+      }
+      if (l1) {
+#pragma unroll
+        for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+          if (sub >= tile.num_m_blocks) continue;
+          with_activation_kind(mp.l1.activation.kind, [&](auto kind) {
+            constexpr ActivationKind kAct = decltype(kind)::value;
+            epilogue_l1<Cfg, kAct>(mp.l1, tile, tile.m_block0 + sub, acc[sub], smem_amax, 0, tid);
+          });
+        }
+        // Publish the tile's rows: the barrier orders the warpgroup's stores before thread 0's
+        // release add.
+        ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
+        if (tid == 0) ptx::red_release_gpu_add(mp.ready + ms.slot(tile), 1);
+      } else {
+#pragma unroll
+        for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+          if (sub >= tile.num_m_blocks) continue;
+          epilogue_l2<Cfg>(mp.l2, tile, tile.m_block0 + sub, acc[sub], tid);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,92 @@
+// sm90_mega.cu: the MegaMoE launcher (sm90_mega.hpp): the call's two GemmParams (launch_l1's and
+// launch_l2's checks), the policy's tile, and the per-tile launchers of the generated units.
+#include "moe/sm90_mega.hpp"
+
+#include <algorithm>
+#include <array>
+#include <utility>
+
+#include "megamoe/error.hpp"
+#include "moe/sm90_gemm_launch.hpp"
+#include "moe/sm90_tile_policy.hpp"
+#include "runtime/cuda_device.hpp"
+#include "sm90/sm90_tile_schedule.hpp"
+
+namespace megamoe::sm90 {
+namespace {
+
+using MegaLauncher = void (*)(const MegaParams&, const void*, const void*, cudaStream_t);
+template <size_t kI>
+constexpr TileId mega_tile_at() {
+  return kMegaTiles[kI];
+}
+template <size_t kI>
+constexpr MegaLauncher mega_launcher_of() {
+  constexpr TileId kId = kMegaTiles[kI];
+  return &launch_mega_tile<kId>;
+}
+template <size_t... kI>
+constexpr std::array<MegaLauncher, kNumMegaTiles> make_mega_launchers(std::index_sequence<kI...>) {
+  return {mega_launcher_of<kI>()...};
+}
+constexpr auto kMegaLaunchers = make_mega_launchers(std::make_index_sequence<kNumMegaTiles>{});
+
+template <size_t... kI>
+void load_mega_tiles(std::index_sequence<kI...>) {
+  (load_mega_tile<mega_tile_at<kI>()>(), ...);
+}
+
+}  // namespace
+
+int64_t mega_counters(int64_t max_rows, int num_experts) {
+  int block_n = tile_config(kMegaTiles[0]).block_n;
+  for (TileId id : kMegaTiles) block_n = std::min(block_n, tile_config(id).block_n);
+  return max_schedule_slots(max_rows, num_experts, block_n);
+}
+
+bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream) {
+  if (a1.act_fp8 != nullptr || a2.h_fp8 != nullptr) return false;  // the FP8 mode: chained
+  TileQuery q;
+  q.rows_hint = a1.rows_hint;
+  q.max_rows = a1.max_rows;
+  q.num_experts = a1.num_experts;
+  q.m_rows = 2 * a1.intermediate;
+  q.k = a1.hidden;
+  q.sm_count = cuda::device_info().sm_count;
+  q.small_scales = a1.small_scales;
+  q.unit_counter = a1.split_k.unit_counter != nullptr;
+  q.split_allowed = a1.k_splits == 0 && !a1.split_k.empty();
+  q.split_counters_capacity = a1.split_k.counters_capacity;
+  q.split_partial_floats = a1.split_k.partial_floats;
+  const MegaChoice choice = choose_mega_tile(q, a2.intermediate, a2.small_scales, a1.tile);
+  if (!choice.fused) return false;
+  MegaParams mp;
+  mp.l1 = l1_params(a1);
+  mp.l2 = l2_params(a2);
+  if (a1.max_rows == 0) return true;  // no rows can exist: nothing to run
+  MEGAMOE_CHECK_ARG(a2.num_experts == a1.num_experts && a2.max_rows == a1.max_rows &&
+                        a2.row_offsets == a1.row_offsets && a2.hidden == a1.hidden &&
+                        a2.intermediate == a1.intermediate,
+                    "launch_mega: L1 and L2 must cover the same experts, rows and row_offsets");
+  MEGAMOE_CHECK_ARG(a1.split_k.unit_counter != nullptr,
+                    "launch_mega: split_k.unit_counter: expected the 2-word unit counter, got null");
+  MEGAMOE_CHECK_ARG(!ws.empty() && ws.capacity >= mega_counters(a1.max_rows, a1.num_experts),
+                    "launch_mega: the workspace's counters must hold ",
+                    mega_counters(a1.max_rows, a1.num_experts), " slots each (mega_counters), got ",
+                    ws.empty() ? 0 : ws.capacity);
+  for (GemmParams* p : {&mp.l1, &mp.l2}) {
+    p->k_splits = 1;
+    p->gate_min_avg = p->gate_max_avg = 0;
+    p->unit_counter = a1.split_k.unit_counter;
+  }
+  mp.l1.k_splits = choice.l1_splits;  // > 1 only with a split workspace (choose_mega_tile)
+  mp.ready = ws.ready;
+  mp.consumed = ws.consumed;
+  mp.ready_capacity = static_cast<int>(std::min<int64_t>(ws.capacity, INT32_MAX));
+  kMegaLaunchers[mega_tile_index(choice.tile)](mp, a1.act, a2.h_act, stream);
+  return true;
+}
+
+void load_mega_kernels() { load_mega_tiles(std::make_index_sequence<kNumMegaTiles>{}); }
+
+}  // namespace megamoe::sm90

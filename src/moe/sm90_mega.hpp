@@ -1,0 +1,38 @@
+// sm90_mega.hpp: the launcher of the MegaMoE kernel (kernels/sm90/sm90_mega_moe.cuh): L1 and L2
+// of a layer call in one persistent launch, for the calls the policy gives it
+// (choose_mega_tile, sm90_tile_policy.hpp); the layer chains launch_l1 and launch_l2 for the
+// others.
+#pragma once
+
+#include <cstdint>
+
+#include "moe/sm90_gemm.hpp"
+
+namespace megamoe::sm90 {
+
+// The kernel's per-slot counters (zero-initialized once by the owner, left zero by every launch;
+// one workspace serves the launches of one stream in turn).
+struct MegaWorkspace {
+  int32_t* ready = nullptr;     // [capacity]
+  int32_t* consumed = nullptr;  // [capacity]
+  int64_t capacity = 0;
+  bool empty() const { return ready == nullptr || consumed == nullptr; }
+};
+
+// Counters each of `ready` and `consumed` needs for a layer of max_rows rows over num_experts
+// local experts, for every tile of kMegaTiles (the most slots: the smallest BLOCK_N).
+int64_t mega_counters(int64_t max_rows, int num_experts);
+
+#if defined(MEGAMOE_WITH_CUDA)
+// One launch of both GEMMs when choose_mega_tile picks the MegaMoE kernel for this call (the
+// exact mode, decode-class rows per expert, small scales; l1.tile for both) and returns true;
+// otherwise launches nothing and returns false (the caller runs launch_l1 then launch_l2). l1 and
+// l2 are the arguments the two launches would get (the same experts, rows and row_offsets; their
+// split_k.unit_counter is required). Asynchronous, capturable.
+bool launch_mega(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws, cudaStream_t stream);
+
+// Loads every MegaMoE kernel now (see load_gemm_kernels).
+void load_mega_kernels();
+#endif
+
+}  // namespace megamoe::sm90

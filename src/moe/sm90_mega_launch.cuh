@@ -1,0 +1,57 @@
+// sm90_mega_launch.cuh: the definition of the per-tile MegaMoE launcher (sm90_gemm_launch.hpp),
+// for the generated translation units only (sm90_mega_tile.cu.in, one per kMegaTiles entry).
+#pragma once
+
+#include "megamoe/error.hpp"
+#include "moe/sm90_gemm.hpp"
+#include "moe/sm90_gemm_launch.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/cuda_device.hpp"
+#include "runtime/cuda_launch.hpp"
+#include "sm90/sm90_mega_moe.cuh"
+
+namespace megamoe::sm90 {
+
+template <TileId kId>
+void launch_mega_tile(const MegaParams& mp, const void* act, const void* h_act, cudaStream_t stream) {
+  using Cfg = GemmConfig<kId>;
+  auto* kernel = &sm90_mega_moe_kernel<Cfg>;
+  for (const GemmParams* p : {&mp.l1, &mp.l2}) {
+    MEGAMOE_CHECK_ARG(p->k % Cfg::kTile.k_multiple() == 0, "sm90 MegaMoE kernel: tile ",
+                      Cfg::kTile.name, " takes K (H for L1, I for L2) in multiples of ",
+                      Cfg::kTile.k_multiple(), ", got ", p->k);
+    MEGAMOE_CHECK_ARG(!Cfg::kTile.needs_small_scales() || p->small_scales != 0,
+                      "sm90 MegaMoE kernel: tile ", Cfg::kTile.name, " needs weight scale bytes "
+                      "< 128 in both GEMMs (L1Args / L2Args::small_scales)");
+  }
+  if (mp.l1.k_splits > 1) {
+    MEGAMOE_CHECK_ARG(Cfg::kSupportsSplitK && mp.l1.k_splits <= mp.l1.k / Cfg::kTile.k_multiple(),
+                      "sm90 MegaMoE kernel: L1 k_splits ", mp.l1.k_splits, ": tile ",
+                      Cfg::kTile.name, " ", Cfg::kSupportsSplitK ? "has fewer stages of K" : "runs unsplit");
+  }
+  const int64_t slots = max_schedule_slots(mp.l1.max_rows, mp.l1.num_experts, Cfg::kBlockN);
+  MEGAMOE_CHECK_ARG(mp.ready != nullptr && mp.consumed != nullptr && mp.ready_capacity >= slots,
+                    "sm90 MegaMoE kernel: the ready counters must hold ", slots,
+                    " slots (max_rows / BLOCK_N + E_l), got ", mp.ready_capacity);
+  const auto& dev = cuda::device_info();
+  const size_t smem_max = mega_smem_bytes<Cfg>(kMaxLocalExperts);
+  MEGAMOE_CHECK(static_cast<int64_t>(smem_max) <= dev.smem_per_block_optin,
+                ErrorCode::kUnsupported, "sm90 MegaMoE kernel: tile ", Cfg::kTile.name, " needs ",
+                smem_max, " bytes of shared memory per block, device allows ",
+                dev.smem_per_block_optin);
+  cuda::raise_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_max);
+  const int64_t rows = static_cast<int64_t>(mp.l1.max_rows) + kRowSlack;
+  const CUtensorMap map_act = make_rows_map(act, rows, mp.l1.k, Cfg::kBlockN, false);
+  const CUtensorMap map_h = make_rows_map(h_act, rows, mp.l2.k, Cfg::kBlockN, false);
+  const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
+  cuda::launch(kernel, grid, Cfg::kThreads, mega_smem_bytes<Cfg>(mp.l1.num_experts), stream,
+               mp.l1.prefetch_before_wait != 0, map_act, map_h, mp);
+}
+
+template <TileId kId>
+void load_mega_tile() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&attributes, &sm90_mega_moe_kernel<GemmConfig<kId>>));
+}
+
+}  // namespace megamoe::sm90
