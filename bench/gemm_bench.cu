@@ -4,7 +4,7 @@
 // with the GPU tests (it shares their helpers); not a test:
 //
 //   [MEGAMOE_BENCH_TOKENS=1,8] [MEGAMOE_BENCH_TILES=auto,prefill_256x96_k2_async2]
-//   [MEGAMOE_BENCH_ORDER=reverse] build/tests/megamoe_gemm_bench
+//   [MEGAMOE_BENCH_ORDER=reverse] [MEGAMOE_BENCH_MEGA=chain,auto,TILE/S1/S2] build/tests/megamoe_gemm_bench
 //
 // Prints one "[bench]" line per (shape, T, GEMM, tile, mode); bench/gemm_ab.sh compares builds.
 #include <cuda_runtime.h>
@@ -22,6 +22,7 @@
 #include "megamoe/activation.hpp"
 #include "megamoe/buffer.hpp"
 #include "moe/sm90_gemm.hpp"
+#include "moe/sm90_mega.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/cuda_device.hpp"
 #include "sm90/sm90_diag.hpp"
@@ -231,6 +232,21 @@ TEST(Sm90GemmBench, Shapes) {
     const SplitWorkspace bench_split(bench_split_tiles,
                                      int64_t(bench_split_tiles) * sm90::kMaxKSplits * 128 * 16);
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    // The MegaMoE kernel's counters and split-K area (MEGAMOE_BENCH_MEGA).
+    const int64_t mega_slots = sm90::mega_counters(max_rows, int(s.E));
+    const int64_t mega_split_floats = sm90::mega_split_partial_floats(dev.sm_count);
+    const int64_t mega_split_counters = sm90::mega_split_counters(dev.sm_count);
+    Buffer mega_counters((2 * mega_slots + mega_split_counters) * 4, Device::cuda());
+    Buffer mega_partials(mega_split_floats * 4, Device::cuda());
+    MEGAMOE_CUDA_CHECK(cudaMemset(mega_counters.data(), 0, mega_counters.size()));
+    sm90::MegaWorkspace mega_ws;
+    mega_ws.ready = mega_counters.as<int32_t>();
+    mega_ws.consumed = mega_ws.ready + mega_slots;
+    mega_ws.capacity = mega_slots;
+    mega_ws.split_counters = mega_ws.consumed + mega_slots;
+    mega_ws.split_counters_capacity = mega_split_counters;
+    mega_ws.split_partials = mega_partials.as<float>();
+    mega_ws.split_partial_floats = mega_split_floats;
     const bool w13_small = sm90::scales_all_small(w13sf.as<uint8_t>(), w13sf.size(), nullptr);
     const bool w2_small = sm90::scales_all_small(w2sf.as<uint8_t>(), w2sf.size(), nullptr);
     printf("[bench] %s: scale bytes all < 128: w13 %d, w2 %d\n", s.name, int(w13_small), int(w2_small));
@@ -307,6 +323,52 @@ TEST(Sm90GemmBench, Shapes) {
         }
       }
       if (bench_reverse_order()) std::reverse(runs.begin(), runs.end());
+      // MEGAMOE_BENCH_MEGA="chain,auto,decode_128x16_k2_warp_splitk/2/2": both GEMMs of a call
+      // timed together, as the layer runs them: "chain" (launch_l1 then launch_l2, programmatic,
+      // the policy's tiles), or the MegaMoE kernel with the policy's tile and parts ("auto") or a
+      // tile with L1 / L2 parts (TILE/S1/S2). Rows "[bench] ... L1+L2 mega=SPEC".
+      for (const std::string& spec : env_name_list("MEGAMOE_BENCH_MEGA")) {
+        const bool chain = spec == "chain";
+        std::string tile_name = spec;
+        int s1 = 0, s2 = 0;
+        if (const size_t slash = spec.find('/'); slash != std::string::npos) {
+          tile_name = spec.substr(0, slash);
+          std::sscanf(spec.c_str() + slash + 1, "%d/%d", &s1, &s2);
+        }
+        a1.tile = a2.tile = chain ? sm90::TileRequest::automatic() : sm90::parse_tile_request(tile_name);
+        a1.act_fp8 = nullptr; a1.act_row_factor = nullptr; a1.w13_row_exp = nullptr;
+        a2.h_fp8 = nullptr; a2.h_row_factor = nullptr; a2.w2_row_exp = nullptr;
+        a1.k_splits = chain ? 0 : s1;
+        a2.k_splits = chain ? 0 : s2;
+        a1.split_k = a2.split_k = bench_split.ws;
+        a1.programmatic = a2.programmatic = true;
+        a2.h_act = hact_out.as<uint16_t>();  // L2 reads what L1 writes, as in the layer
+        auto launch = [&](int it, cudaStream_t st) {
+          a1.row_offsets = a2.row_offsets = offs[it % kRot].as<int32_t>();
+          if (chain || !sm90::launch_mega(a1, a2, mega_ws, st)) {
+            sm90::launch_l1(a1, st);
+            sm90::launch_l2(a2, st);
+          }
+        };
+        for (int it = 0; it < 3; ++it) launch(it, nullptr);
+        // The graph runs on a non-blocking stream: the warm-up launches (legacy stream) must be
+        // done first (two launches at once on one workspace would share its counters).
+        MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+        test::GraphTiming timing;
+        {
+          const test::Stream st;
+          const test::StreamGraph graph(st, [&] { for (int it = 0; it < kRot; ++it) launch(it, st); });
+          graph.launch(st);
+          MEGAMOE_CUDA_CHECK(cudaStreamSynchronize(st));
+          timing = test::time_graph_launches(graph, st, kRot, T >= 4096 ? 6 : 20);
+        }
+        MEGAMOE_CUDA_CHECK(cudaGetLastError());
+        a2.h_act = hact.as<uint16_t>();
+        const double wbytes = active_avg * 3.0 * s.I * s.H * (0.5 + 1.0 / 32);
+        printf("[bench] %-11s T=%5d L1+L2 mega=%s rows=%6lld experts=%6.1f  median %9.1f us (min %9.1f)  weights %6.0f GB/s\n",
+               s.name, T, spec.c_str(), (long long)rows, active_avg, timing.median_us, timing.min_us,
+               wbytes / (timing.median_us * 1e-6) / 1e9);
+      }
       // (The forced splits get a workspace for every tile of these launches; the layer's covers
       // only what the policy splits.)
       if (T >= 512 && bench_name_selected("auto_fp8")) runs.push_back({sm90::TileRequest::automatic(), 0, 4});

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#if defined(MEGAMOE_DIAG_WAIT_PRINT) && MEGAMOE_DIAG_WAIT_PRINT
+#include <cstdio>
+#endif
 
 #include <cuda.h>  // CUtensorMap (a 128-byte opaque struct; no driver call is made here)
 
@@ -57,7 +60,18 @@ constexpr long long kWaitTimeoutCycles = 20'000'000'000ll;
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   if (mbar_try_wait(bar, parity)) return;
   const long long start = clock64();
+#if defined(MEGAMOE_DIAG_WAIT_PRINT) && MEGAMOE_DIAG_WAIT_PRINT
+  bool said = false;
+#endif
   while (!mbar_try_wait(bar, parity)) {
+#if defined(MEGAMOE_DIAG_WAIT_PRINT) && MEGAMOE_DIAG_WAIT_PRINT
+    // Diagnosis builds only: who waits where, once, after ~1 s.
+    if (!said && clock64() - start > 2'000'000'000ll) {
+      said = true;
+      printf("[wait] block %d thread %d: mbarrier smem 0x%x parity %u\n", blockIdx.x, threadIdx.x,
+             smem_addr(bar), parity);
+    }
+#endif
     if (clock64() - start > kWaitTimeoutCycles) __trap();
   }
 }

@@ -88,9 +88,12 @@ struct GemmParams {
 
 // The MegaMoE kernel's ABI (kernels/sm90/sm90_mega_moe.cuh): both GEMMs of a call in one launch.
 struct MegaParams {
-  GemmParams l1;                 // as launch_l1 runs it (unsplit, no gate); l1.unit_counter: the
-                                 // units taken at run time (required)
-  GemmParams l2;                 // as launch_l2; the same num_experts, max_rows, row_offsets
+  GemmParams l1;                 // as launch_l1 runs it (no gate); l1.unit_counter: the units
+                                 // taken at run time (required); l1.k_splits: K parts of each L1
+                                 // tile (split tiles), l1.split_*: the fused kernel's split-K
+                                 // workspace, for both GEMMs' parts (L1's tiles first)
+  GemmParams l2;                 // as launch_l2; the same num_experts, max_rows, row_offsets;
+                                 // l2.k_splits: K parts of each L2 tile
   int32_t* ready = nullptr;      // [ready_capacity]: finished L1 tiles per slot; zero, left zero
   int32_t* consumed = nullptr;   // [ready_capacity]: L2 tiles past their wait per slot; the same
   int ready_capacity = 0;        // >= max_schedule_slots(max_rows, E_l, BLOCK_N)

@@ -67,19 +67,20 @@ __device__ __forceinline__ int split_k_units(const GemmParams& p, int num_tiles)
 // and returns true in the tile's last unit to arrive, with acc = the parts summed in split order
 // (part 0 + part 1 + ..., whichever unit arrives last: deterministic). Called by the whole math
 // warpgroup (named barrier 1 + wg).
+// The tile's parts are at tile_parts (splits x Cfg::kSplitUnitFloats), its arrival counter at
+// *counter (zero before the tile's first part arrives; left zero).
 template <class Cfg>
-__device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
-                                               float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
-                                               int t, int sp, int splits, int wg, int tid) {
+__device__ __forceinline__ bool split_k_reduce_at(float* tile_parts, int32_t* counter,
+                                                  float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
+                                                  int sp, int splits, int wg, int tid) {
 #if MEGAMOE_DIAG_SPLIT_FREE
   // Measurement builds only: no hand-off at all (the last part runs the epilogue on its own
   // part; results are wrong): times what the K parts would cost with a free hand-off.
-  (void)p; (void)acc; (void)t; (void)wg; (void)tid;
+  (void)tile_parts; (void)counter; (void)acc; (void)wg; (void)tid;
   return sp == splits - 1;
 #endif
   __shared__ int s_last[Cfg::kNumMathWG];
   constexpr int kPer = Cfg::kBlockN / 2;
-  float* tile_parts = p.split_partials + static_cast<int64_t>(t) * splits * Cfg::kSplitUnitFloats;
   float* mine = tile_parts + static_cast<int64_t>(sp) * Cfg::kSplitUnitFloats;
   const uint64_t t0 = diag::now();
 #pragma unroll
@@ -92,9 +93,9 @@ __device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
   if (tid == 0) diag::add(diag::kReduceStoreNs, t1 - t0);
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
   if (tid == 0) {
-    const int arrived = atomicAdd(p.split_counters + t, 1);
+    const int arrived = atomicAdd(counter, 1);
     const bool last = arrived == splits - 1;
-    if (last) p.split_counters[t] = 0;  // every part has arrived: ready for the next launch
+    if (last) *counter = 0;  // every part has arrived: ready for the next launch
     s_last[wg] = last;
   }
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);
@@ -133,6 +134,15 @@ __device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
     diag::add(diag::kLastArrivals, 1);
   }
   return true;
+}
+
+template <class Cfg>
+__device__ __forceinline__ bool split_k_reduce(const GemmParams& p,
+                                               float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
+                                               int t, int sp, int splits, int wg, int tid) {
+  return split_k_reduce_at<Cfg>(
+      p.split_partials + static_cast<int64_t>(t) * splits * Cfg::kSplitUnitFloats,
+      p.split_counters + t, acc, sp, splits, wg, tid);
 }
 
 // The launch gate (GemmParams::gate_min_avg / gate_max_avg, gate_admits) on the schedule's row

@@ -10,15 +10,16 @@
 // CTAs will finish, whatever the residency (several virtual EP ranks' kernels on one GPU).
 //
 // Roles (the decode tiles' shape, TileConfig::mega_kernel: one math warpgroup that finishes its
-// own tiles from registers, one producer warp; a split-K tile splits L1's tiles in K, the last
-// part to arrive summing the parts in part order and finishing the tile, as the chained launch):
+// own tiles from registers, one producer warp; a split-K tile splits either GEMM's tiles in K,
+// the last part to arrive summing the parts in part order and finishing the tile):
 //   producer thread: per unit, its stages' weight copies and B boxes (L1: the gathered act rows,
-//                    L2: h_act). An L2 unit whose slot is not ready yet first issues the weight
-//                    copies of its first stages (they depend on nothing), then spins on the
-//                    slot's counter (ld.acquire.gpu, nanosleep back-off, the trap deadline of
-//                    every wait in these kernels), then fence.proxy.async before its TMA reads;
-//                    then counts itself on the slot's consumed counter, and the slot's last L2
-//                    tile sets both counters back to zero (the next call finds them zero).
+//                    L2: h_act). An L2 unit issues its first stage's weight copies (they depend
+//                    on nothing), then reads the slot's counter (ld.acquire.gpu); if the slot
+//                    is not ready, the weight copies of the pipeline's depth, then a spin
+//                    (nanosleep back-off, the trap deadline of every wait in these kernels);
+//                    then fence.proxy.async before its TMA reads. After its copies it counts
+//                    itself on the slot's consumed counter, and the slot's last L2 tile sets both
+//                    counters back to zero (the next call finds them zero).
 //   math warpgroup:  the mainloop of the tile's GEMM, then its epilogue (L1: activation, routing
 //                    weight, requantization to h_q / h_sf / h_act; L2: out). After an L1 tile, a
 //                    warpgroup barrier, and one thread adds 1 to the slot's ready counter with
@@ -46,9 +47,19 @@ __device__ __forceinline__ void wait_count(const int32_t* counter, int target) {
   if (ptx::ld_acquire_gpu(counter) >= target) return;
   const long long start = clock64();
   uint32_t sleep_ns = 32;
+#if defined(MEGAMOE_DIAG_WAIT_PRINT) && MEGAMOE_DIAG_WAIT_PRINT
+  bool said = false;
+#endif
   while (ptx::ld_acquire_gpu(counter) < target) {
     __nanosleep(sleep_ns);
     if (sleep_ns < 256) sleep_ns *= 2;
+#if defined(MEGAMOE_DIAG_WAIT_PRINT) && MEGAMOE_DIAG_WAIT_PRINT
+    if (!said && clock64() - start > 2'000'000'000ll) {
+      said = true;
+      printf("[wait] block %d: counter %p at %d of %d\n", blockIdx.x, counter,
+             ptx::ld_acquire_gpu(counter), target);
+    }
+#endif
     if (clock64() - start > ptx::kWaitTimeoutCycles) __trap();
   }
 }
@@ -104,22 +115,34 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   const MegaSchedule<Cfg::kBlockN, Cfg::kMBlocksPerCta> ms{
       {s_offsets, s_prefix1, num_experts, m_blocks1, m_tiles1},
       {s_offsets, s_prefix2, num_experts, m_blocks2, m_tiles2}};
-  // Units: L1 tile t's K parts t * splits1 + sp (split tiles: mp.l1.k_splits where the workspace
-  // holds them, the same answer in every CTA), then the L2 tiles, unsplit. A part covers stages
-  // [sp S / parts, (sp + 1) S / parts) of the S stages of K.
-  const int splits1 = split_k_units<Cfg>(mp.l1, ms.l1_tiles());
-  const int l1_units = ms.l1_tiles() * splits1;
-  const int num_units = l1_units + ms.l2.total_tiles();
-  auto tile_of = [&](int u) { return u < l1_units ? u / splits1 : u - l1_units + ms.l1_tiles(); };
-  auto k_range = [&](int u, int& kb_begin, int& kb_end) {
-    if (u < l1_units) {
-      const int sp = u % splits1, stages = k_blocks1 / Cfg::kKBlocksPerStage;
-      kb_begin = sp * stages / splits1 * Cfg::kKBlocksPerStage;
-      kb_end = (sp + 1) * stages / splits1 * Cfg::kKBlocksPerStage;
-    } else {
-      kb_begin = 0;
-      kb_end = k_blocks2;
+  // Units: L1 tile t's K parts t * s1 + sp, then L2 tile t's parts U1 + t * s2 + sp (U1 = N1 s1
+  // units of L1). A part covers stages [sp S / s, (sp + 1) S / s) of the S stages of K. Split
+  // tiles only, and only where the workspace (mp.l1.split_*) holds both GEMMs' parts and
+  // counters (L1's tiles first); otherwise unsplit (the same answer in every CTA).
+  int splits1 = 1, splits2 = 1;
+  if constexpr (Cfg::kSupportsSplitK) {
+    const int64_t units = static_cast<int64_t>(ms.l1_tiles()) * mp.l1.k_splits +
+                          static_cast<int64_t>(ms.l2.total_tiles()) * mp.l2.k_splits;
+    if ((mp.l1.k_splits > 1 || mp.l2.k_splits > 1) &&
+        ms.total_tiles() <= mp.l1.split_counters_capacity &&
+        units * Cfg::kSplitUnitFloats <= mp.l1.split_partial_floats) {
+      splits1 = max(mp.l1.k_splits, 1);
+      splits2 = max(mp.l2.k_splits, 1);
     }
+  }
+  const int l1_units = ms.l1_tiles() * splits1;
+  const int num_units = l1_units + ms.l2.total_tiles() * splits2;
+  // The unit's tile (a MegaSchedule index), K part and parts.
+  auto tile_of = [&](int u) {
+    return u < l1_units ? u / splits1 : (u - l1_units) / splits2 + ms.l1_tiles();
+  };
+  auto part_of = [&](int u) { return u < l1_units ? u % splits1 : (u - l1_units) % splits2; };
+  auto k_range = [&](int u, int& kb_begin, int& kb_end) {
+    const int parts = u < l1_units ? splits1 : splits2;
+    const int sp = part_of(u);
+    const int stages = (u < l1_units ? k_blocks1 : k_blocks2) / Cfg::kKBlocksPerStage;
+    kb_begin = sp * stages / parts * Cfg::kKBlocksPerStage;
+    kb_end = (sp + 1) * stages / parts * Cfg::kKBlocksPerStage;
   };
   // The host sizes the counters for the capacity (max_schedule_slots); more slots cannot occur.
   if (ms.num_slots() > mp.ready_capacity) __trap();
@@ -147,13 +170,16 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
                                 s, policy);
       }
     };
-    // Unit u's first stages' weight copies (up to the pipeline's depth), ahead of its B boxes.
-    auto copy_weights_ahead = [&](int u, const TileInfo& tile) {
+    // Unit u's next stages' weight copies, ahead of their B boxes, until `depth` stages are.
+    auto copy_weights_ahead = [&](int u, const TileInfo& tile, int depth) {
       int kb_begin, kb_end;
       k_range(u, kb_begin, kb_end);
       int s = stage;
       uint32_t ph = phase;
-      for (int kb = kb_begin; kb < kb_end && ahead < Cfg::kNumStages; kb += kKSub) {
+      for (int i = 0; i < ahead; ++i) {
+        if (++s == Cfg::kNumStages) { s = 0; ph ^= 1u; }
+      }
+      for (int kb = kb_begin + ahead * kKSub; kb < kb_end && ahead < depth; kb += kKSub) {
         copy_weights(u, tile, kb, kb == kb_begin, s, ph);
         ++ahead;
         if (++s == Cfg::kNumStages) { s = 0; ph ^= 1u; }
@@ -161,7 +187,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     };
     if (prefetch) {
       if (static_cast<int>(blockIdx.x) < num_units) {
-        copy_weights_ahead(blockIdx.x, ms.get(tile_of(blockIdx.x)));
+        copy_weights_ahead(blockIdx.x, ms.get(tile_of(blockIdx.x)), Cfg::kNumStages);
       }
       ptx::grid_dependency_wait();
     }
@@ -171,19 +197,17 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     while (u < num_units) {
       const bool l1 = u < l1_units;
       const TileInfo tile = ms.get(tile_of(u));
+      const int slot = l1 ? -1 : ms.slot(tile);
       if (!l1) {
-        // An L2 tile reads the h rows of its slot: every L1 tile of the slot must be done.
-        const int slot = ms.slot(tile);
+        // An L2 tile reads the h rows of its slot: every L1 tile of the slot must be done. Its
+        // weights do not depend on them: the first stage's copies go out before the counter is
+        // read (its latency hides under them), the pipeline's depth of them before a wait.
+        copy_weights_ahead(u, tile, 1);
         if (ptx::ld_acquire_gpu(mp.ready + slot) < ms.ready_target()) {
-          if (ahead == 0) copy_weights_ahead(u, tile);
+          copy_weights_ahead(u, tile, Cfg::kNumStages);
           wait_count(mp.ready + slot, ms.ready_target());
         }
         ptx::fence_proxy_async_global();  // the rows were written by generic-proxy stores
-        if (atomicAdd(mp.consumed + slot, 1) == ms.l2.m_tiles - 1) {
-          // The slot's last L2 tile past its wait: no tile of this call reads either counter again.
-          mp.ready[slot] = 0;
-          mp.consumed[slot] = 0;
-        }
       }
       const CUtensorMap* map = l1 ? &tmap_act : &tmap_h;
       int kb_begin, kb_end;
@@ -201,7 +225,15 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         }
         if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
       }
+      // The slot's consumed count (an L2 tile past its wait) and the next unit: two independent
+      // atomics, one round trip.
+      const int consumed = l1 ? 0 : atomicAdd(mp.consumed + slot, 1);
       u = static_cast<int>(gridDim.x) + atomicAdd(mp.l1.unit_counter, 1);
+      if (!l1 && consumed == ms.l2.m_tiles * splits2 - 1) {
+        // The slot's last L2 tile past its wait: no tile of this call reads either counter again.
+        mp.ready[slot] = 0;
+        mp.consumed[slot] = 0;
+      }
     }
     // No more units: tell the math warpgroup, count this CTA out; the last one sets the unit
     // counters back to zero.
@@ -237,9 +269,15 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       });
       if constexpr (Cfg::kSupportsSplitK) {
         // Only the tile's last part to arrive goes on, with the parts summed in part order.
-        if (l1 && splits1 > 1 &&
-            !split_k_reduce<Cfg>(mp.l1, acc, u / splits1, u % splits1, splits1, 0, tid)) {
-          continue;
+        const int parts = l1 ? splits1 : splits2;
+        if (parts > 1) {
+          const int t = tile_of(u);
+          const int64_t first_unit = l1 ? static_cast<int64_t>(t) * splits1
+                                        : l1_units + static_cast<int64_t>(t - ms.l1_tiles()) * splits2;
+          if (!split_k_reduce_at<Cfg>(mp.l1.split_partials + first_unit * Cfg::kSplitUnitFloats,
+                                      mp.l1.split_counters + t, acc, part_of(u), parts, 0, tid)) {
+            continue;
+          }
         }
       }
       if (l1) {

@@ -86,6 +86,13 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   v.mega.capacity = mega_counters(rows, static_cast<int>(c.num_local_experts()));
   v.mega.ready = carver.take<int32_t>(v.mega.capacity);
   v.mega.consumed = carver.take<int32_t>(v.mega.capacity);
+  if (c.sm90.mega_kernel) {  // the fused kernel's split-K parts (both GEMMs at once)
+    const int sms = cuda::device_info().sm_count;
+    v.mega.split_partial_floats = mega_split_partial_floats(sms);
+    v.mega.split_partials = carver.take<float>(v.mega.split_partial_floats);
+    v.mega.split_counters_capacity = mega_split_counters(sms);
+    v.mega.split_counters = carver.take<int32_t>(v.mega.split_counters_capacity);
+  }
   *bytes = carver.bytes();
   return v;
 }

@@ -44,6 +44,16 @@ int64_t mega_counters(int64_t max_rows, int num_experts) {
   return max_schedule_slots(max_rows, num_experts, block_n);
 }
 
+// Splits happen only where L1's (or L2's) tiles leave CTA slots idle: at most a few waves of
+// tiles, so the workspace covers 4 CTA slots' worth of tiles and 8 slots' worth of parts.
+int64_t mega_split_counters(int sm_count) {
+  return 4LL * sm_count * tile_config(TileId::kDecode128x16K2WarpSplitK).ctas_per_sm;
+}
+int64_t mega_split_partial_floats(int sm_count) {
+  return 8LL * sm_count * tile_config(TileId::kDecode128x16K2WarpSplitK).ctas_per_sm *
+         tile_config(TileId::kDecode128x16K2WarpSplitK).split_unit_floats();
+}
+
 bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream) {
   if (a1.act_fp8 != nullptr || a2.h_fp8 != nullptr) return false;  // the FP8 mode: chained
   TileQuery q;
@@ -55,9 +65,10 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
   q.sm_count = cuda::device_info().sm_count;
   q.small_scales = a1.small_scales;
   q.unit_counter = a1.split_k.unit_counter != nullptr;
-  q.split_allowed = a1.k_splits == 0 && !a1.split_k.empty();
-  q.split_counters_capacity = a1.split_k.counters_capacity;
-  q.split_partial_floats = a1.split_k.partial_floats;
+  q.split_allowed = a1.k_splits == 0 && a2.k_splits == 0 && ws.split_partials != nullptr &&
+                    ws.split_counters != nullptr;
+  q.split_counters_capacity = ws.split_counters_capacity;
+  q.split_partial_floats = ws.split_partial_floats;
   const MegaChoice choice = choose_mega_tile(q, a2.intermediate, a2.small_scales, a1.tile);
   if (!choice.fused) return false;
   MegaParams mp;
@@ -79,7 +90,19 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
     p->gate_min_avg = p->gate_max_avg = 0;
     p->unit_counter = a1.split_k.unit_counter;
   }
-  mp.l1.k_splits = choice.l1_splits;  // > 1 only with a split workspace (choose_mega_tile)
+  // The policy's parts, or the caller's (k_splits >= 1).
+  mp.l1.k_splits = a1.k_splits > 0 ? a1.k_splits : choice.l1_splits;
+  mp.l2.k_splits = a2.k_splits > 0 ? a2.k_splits : choice.l2_splits;
+  MEGAMOE_CHECK_ARG((mp.l1.k_splits <= 1 && mp.l2.k_splits <= 1) ||
+                        (ws.split_partials != nullptr && ws.split_counters != nullptr),
+                    "launch_mega: k_splits ", mp.l1.k_splits, " / ", mp.l2.k_splits,
+                    " need the workspace's split-K area, got none");
+  mp.l1.split_partials = ws.split_partials;
+  mp.l1.split_partial_floats = ws.split_partial_floats;
+  mp.l1.split_counters = ws.split_counters;
+  mp.l1.split_counters_capacity = static_cast<int>(std::min<int64_t>(ws.split_counters_capacity, INT32_MAX));
+  mp.l2.split_partials = nullptr;
+  mp.l2.split_counters = nullptr;
   mp.ready = ws.ready;
   mp.consumed = ws.consumed;
   mp.ready_capacity = static_cast<int>(std::min<int64_t>(ws.capacity, INT32_MAX));

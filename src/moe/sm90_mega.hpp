@@ -16,19 +16,31 @@ struct MegaWorkspace {
   int32_t* ready = nullptr;     // [capacity]
   int32_t* consumed = nullptr;  // [capacity]
   int64_t capacity = 0;
+  // Split-K parts of both GEMMs in one launch (optional; without it nothing is split): FP32
+  // partials and one arrival counter per tile (zero-initialized once, left zero). A launch whose
+  // parts exceed it runs unsplit.
+  float* split_partials = nullptr;
+  int64_t split_partial_floats = 0;
+  int32_t* split_counters = nullptr;
+  int64_t split_counters_capacity = 0;
   bool empty() const { return ready == nullptr || consumed == nullptr; }
 };
 
 // Counters each of `ready` and `consumed` needs for a layer of max_rows rows over num_experts
 // local experts, for every tile of kMegaTiles (the most slots: the smallest BLOCK_N).
 int64_t mega_counters(int64_t max_rows, int num_experts);
+// The split-K workspace that covers every split choose_mega_tile makes on `sm_count` SMs.
+int64_t mega_split_counters(int sm_count);
+int64_t mega_split_partial_floats(int sm_count);
 
 #if defined(MEGAMOE_WITH_CUDA)
 // One launch of both GEMMs when choose_mega_tile picks the MegaMoE kernel for this call (the
 // exact mode, decode-class rows per expert, small scales; l1.tile for both) and returns true;
 // otherwise launches nothing and returns false (the caller runs launch_l1 then launch_l2). l1 and
-// l2 are the arguments the two launches would get (the same experts, rows and row_offsets; their
-// split_k.unit_counter is required). Asynchronous, capturable.
+// l2 are the arguments the two launches would get (the same experts, rows and row_offsets;
+// l1.split_k.unit_counter is required; their split_k partials are not used: ws has the fused
+// kernel's own). l1.k_splits / l2.k_splits: 0 the policy's parts, n >= 1 n parts of each tile
+// (a split tile, ws's split workspace). Asynchronous, capturable.
 bool launch_mega(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws, cudaStream_t stream);
 
 // Loads every MegaMoE kernel now (see load_gemm_kernels).

@@ -5,6 +5,7 @@
 #include "megamoe/error.hpp"
 #include "moe/sm90_gemm.hpp"
 #include "moe/sm90_gemm_launch.hpp"
+#include "moe/sm90_tile_policy.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/cuda_device.hpp"
 #include "runtime/cuda_launch.hpp"
@@ -24,10 +25,13 @@ void launch_mega_tile(const MegaParams& mp, const void* act, const void* h_act, 
                       "sm90 MegaMoE kernel: tile ", Cfg::kTile.name, " needs weight scale bytes "
                       "< 128 in both GEMMs (L1Args / L2Args::small_scales)");
   }
-  if (mp.l1.k_splits > 1) {
-    MEGAMOE_CHECK_ARG(Cfg::kSupportsSplitK && mp.l1.k_splits <= mp.l1.k / Cfg::kTile.k_multiple(),
-                      "sm90 MegaMoE kernel: L1 k_splits ", mp.l1.k_splits, ": tile ",
-                      Cfg::kTile.name, " ", Cfg::kSupportsSplitK ? "has fewer stages of K" : "runs unsplit");
+  for (const GemmParams* p : {&mp.l1, &mp.l2}) {
+    if (p->k_splits <= 1) continue;
+    MEGAMOE_CHECK_ARG(Cfg::kSupportsSplitK && p->k_splits <= kMaxKSplits &&
+                          p->k_splits <= p->k / Cfg::kTile.k_multiple(),
+                      "sm90 MegaMoE kernel: k_splits ", p->k_splits, " (", p == &mp.l1 ? "L1" : "L2",
+                      "): tile ", Cfg::kTile.name, Cfg::kSupportsSplitK ? " takes 1 to 4 parts, at most the stages of K"
+                                                                    : " runs unsplit (the split tiles are the *_splitk ones)");
   }
   const int64_t slots = max_schedule_slots(mp.l1.max_rows, mp.l1.num_experts, Cfg::kBlockN);
   MEGAMOE_CHECK_ARG(mp.ready != nullptr && mp.consumed != nullptr && mp.ready_capacity >= slots,

@@ -167,14 +167,14 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
   if (request.mode == TileRequest::Mode::kForced) {
     const bool built = mega_tile_index(request.tile) >= 0 && l1.k % tile_config(request.tile).k_multiple() == 0 &&
                        l2_k % tile_config(request.tile).k_multiple() == 0;
-    if (!built || !l1.small_scales || !l2_small_scales) return {false, request.tile, 1, "forced tile: chained"};
-    return {true, request.tile, 1, "forced tile, built for the MegaMoE kernel"};
+    if (!built || !l1.small_scales || !l2_small_scales) return {false, request.tile, 1, 1, "forced tile: chained"};
+    return {true, request.tile, 1, 1, "forced tile, built for the MegaMoE kernel"};
   }
   if (request.mode == TileRequest::Mode::kSerial || !l1.small_scales || !l2_small_scales) {
-    return {false, TileId::kDecode128x16K2Warp, 1, "serial tiles: chained"};
+    return {false, TileId::kDecode128x16K2Warp, 1, 1, "serial tiles: chained"};
   }
   const RowEstimate est = estimate_rows(l1.rows_hint, l1.max_rows, l1.num_experts);
-  if (est.avg > kDecodeMaxAvgRows) return {false, TileId::kDecode128x16K2Warp, 1, "prefill: chained"};
+  if (est.avg > kDecodeMaxAvgRows) return {false, TileId::kDecode128x16K2Warp, 1, 1, "prefill: chained"};
   // L1 split as choose_decode would split it on its own (L2 waits for it anyway).
   const int64_t slots = static_cast<int64_t>(l1.sm_count) * kDecodeCtasPerSm;
   const int64_t tiles = est.active * ((l1.m_rows + kDecode128Rows - 1) / kDecode128Rows);
@@ -182,11 +182,11 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
   const int parts = split_k_parts(tiles, slots, k_stages(split_tile, l1.k));
   if (l1.split_allowed && parts > 1 && tiles <= l1.split_counters_capacity &&
       tiles * parts * tile_config(split_tile).split_unit_floats() <= l1.split_partial_floats) {
-    return {true, split_tile, parts, "mega: few L1 tiles, L1 split in K"};
+    return {true, split_tile, parts, 1, "mega: few L1 tiles, L1 split in K"};
   }
   const TileId base = est.avg <= kDecode8MaxAvgRows ? TileId::kDecode128x8K4Warp : TileId::kDecode128x16K2Warp;
   const TileId tile = fit_k(fit_k(base, l1.k), l2_k);
-  return {true, tile, 1, est.avg <= kDecode8MaxAvgRows ? "mega: <= 4 rows per expert, 128 x 8 tiles"
+  return {true, tile, 1, 1, est.avg <= kDecode8MaxAvgRows ? "mega: <= 4 rows per expert, 128 x 8 tiles"
                                                        : "mega: <= 12 rows per expert, 128 x 16 tiles"};
 }
 

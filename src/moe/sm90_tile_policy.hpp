@@ -133,7 +133,8 @@ static_assert(policy_detail::mega_tiles_valid(), "the MegaMoE kernel's tiles are
 struct MegaChoice {
   bool fused = false;  // false: chain the two GEMM launches
   TileId tile = TileId::kDecode128x16K2Warp;
-  int l1_splits = 1;   // K parts of each L1 tile (a split tile), L2 unsplit
+  int l1_splits = 1;   // K parts of each L1 tile (a split tile)
+  int l2_splits = 1;   // K parts of each L2 tile
   const char* reason = "";
 };
 MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_scales,

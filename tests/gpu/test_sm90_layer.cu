@@ -915,7 +915,9 @@ void expect_counters_zero(const Sm90Layer& layer) {
 
 // The fused kernel against the chain on the same tile: y and the intermediate h_q / h_sf bit for
 // bit (the same mainloop over the same operands), on two calls of each layer.
-void expect_mega_equals_chain(LayerCase c, uint64_t seed) {
+// y_too = false: only the intermediate (the chain's L2 may run another tile than the fused
+// kernel's, which changes the FP32 summation order of y).
+void expect_mega_equals_chain(LayerCase c, uint64_t seed, bool y_too = true) {
   LayerConfig config;
   c.mega = false;
   auto chain = make_layer(c, &config);
@@ -940,8 +942,10 @@ void expect_mega_equals_chain(LayerCase c, uint64_t seed) {
     EXPECT_EQ(got.h_sf, want.h_sf) << "call " << call << ": h_sf differs from the chain";
     int64_t differ = 0;
     for (size_t i = 0; i < got.y.size(); ++i) differ += got.y[i] != want.y[i];
-    EXPECT_EQ(differ, 0) << "call " << call << ": y differs from the chain in " << differ << " of "
-                         << got.y.size();
+    if (y_too) {
+      EXPECT_EQ(differ, 0) << "call " << call << ": y differs from the chain in " << differ
+                           << " of " << got.y.size();
+    }
     expect_counters_zero(*mega);
   }
 }
@@ -971,6 +975,16 @@ TEST(Sm90Layer, MegaKernelEqualsTheChainBitForBit) {
       }
     }
   }
+}
+
+// deepseek-v3 T = 1 by the policy: the chain and the fused kernel split L1 in the same two parts
+// on the same tile, so the intermediate is the same bit for bit (y: the reference checks below).
+TEST(Sm90Layer, MegaKernelSplitsL1AsTheChain) {
+  MEGAMOE_REQUIRE_SM90();
+  LayerCase c;
+  c.shape = "deepseek-v3";
+  c.tokens = 1;
+  expect_mega_equals_chain(c, 3250, false);
 }
 
 // The policy's tile (auto): the reference checks of every layer test, at decode and prefill

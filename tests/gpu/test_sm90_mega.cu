@@ -1,0 +1,235 @@
+// test_sm90_mega.cu: the MegaMoE kernel's launcher (src/moe/sm90_mega.hpp) against the chained
+// GEMM launches on the same tile and the same K parts: h_q, h_sf, h_act and out bit for bit (the
+// same mainloop, the same part order), for every K split of either GEMM, with empty experts and
+// experts over several n-tiles; its counters are left zero; its refusals name what is wrong.
+// (The layer-level tests are in test_sm90_layer.cu, "The MegaMoE kernel".)
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "megamoe/buffer.hpp"
+#include "megamoe/error.hpp"
+#include "megamoe/formats.hpp"
+#include "moe/sm90_gemm.hpp"
+#include "moe/sm90_mega.hpp"
+#include "moe/sm90_tile_policy.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/cuda_device.hpp"
+#include "sm90_gemm_test_util.hpp"
+#include "sm90_test_util.hpp"
+
+namespace megamoe {
+namespace {
+
+constexpr int kMaxE = 64;
+constexpr int64_t kH = 1024, kI = 512, kMaxRows = 512;
+
+struct Problem {
+  int experts = 0;
+  Buffer w13, w13_sf, w2, w2_sf, act, row_weights, offsets;
+  std::vector<int32_t> host_offsets;
+};
+
+// Random weights (any byte is a valid E2M1 pair; scale bytes < 128: the overlapped tiles), BF16
+// token rows of small integers times powers of two, and `counts` rows per expert.
+Problem make_problem(const std::vector<int>& counts, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto bytes = [&](int64_t n, int lo, int hi) {
+    std::vector<uint8_t> v(static_cast<size_t>(n));
+    std::uniform_int_distribution<int> d(lo, hi);
+    for (auto& b : v) b = static_cast<uint8_t>(d(rng));
+    return to_device(v);
+  };
+  Problem p;
+  const int64_t e = static_cast<int64_t>(counts.size());
+  p.experts = static_cast<int>(e);
+  p.w13 = bytes(e * 2 * kI * kH / 2, 0, 255);
+  p.w13_sf = bytes(e * 2 * kI * kH / 32, 118, 127);
+  p.w2 = bytes(e * kH * kI / 2, 0, 255);
+  p.w2_sf = bytes(e * kH * kI / 32, 118, 127);
+  std::vector<uint16_t> act(static_cast<size_t>((kMaxRows + sm90::kRowSlack) * kH), 0);
+  std::uniform_int_distribution<int> v(-8, 8), ex(-3, 2);
+  for (int64_t i = 0; i < kMaxRows * kH; ++i) {
+    act[i] = bf16_from_f32(std::ldexp(static_cast<float>(v(rng)), ex(rng)));
+  }
+  p.act = to_device(act);
+  std::vector<float> rw(kMaxRows);
+  std::uniform_real_distribution<float> w(0.05f, 1.0f);
+  for (float& x : rw) x = w(rng);
+  p.row_weights = to_device(rw);
+  p.host_offsets.assign(e + 1, 0);
+  for (int i = 0; i < e; ++i) p.host_offsets[i + 1] = p.host_offsets[i] + counts[i];
+  p.offsets = to_device(p.host_offsets);
+  return p;
+}
+
+struct Outputs {
+  Buffer h_q{kMaxRows * kI, Device::cuda()}, h_sf{kMaxRows * kI / 32, Device::cuda()};
+  Buffer h_act{(kMaxRows + sm90::kRowSlack) * kI * 2, Device::cuda()};
+  Buffer out{kMaxRows * kH * 2, Device::cuda()};
+  void poison() {
+    for (Buffer* b : {&h_q, &h_sf, &h_act, &out}) MEGAMOE_CUDA_CHECK(cudaMemset(b->data(), 0x7F, b->size()));
+  }
+};
+
+struct Args {
+  sm90::L1Args l1;
+  sm90::L2Args l2;
+};
+
+Args make_args(const Problem& p, Outputs& o, const std::string& tile, int s1, int s2,
+               const sm90::SplitKWorkspace& split) {
+  Args a;
+  sm90::L1Args& l1 = a.l1;
+  l1.num_experts = p.experts;
+  l1.hidden = kH;
+  l1.intermediate = kI;
+  l1.max_rows = kMaxRows;
+  l1.rows_hint = p.host_offsets.back();
+  l1.row_offsets = p.offsets.as<int32_t>();
+  l1.act = p.act.as<uint16_t>();
+  l1.row_weights = p.row_weights.as<float>();
+  l1.w13 = p.w13.as<uint8_t>();
+  l1.w13_sf = p.w13_sf.as<uint8_t>();
+  l1.small_scales = true;
+  l1.activation = Activation::situ(4.0f, 25.0f);
+  l1.h_q = o.h_q.as<uint8_t>();
+  l1.h_sf = o.h_sf.as<uint8_t>();
+  l1.h_act = o.h_act.as<uint16_t>();
+  l1.tile = sm90::parse_tile_request(tile);
+  l1.split_k = split;
+  l1.k_splits = s1;
+  sm90::L2Args& l2 = a.l2;
+  l2.num_experts = p.experts;
+  l2.hidden = kH;
+  l2.intermediate = kI;
+  l2.max_rows = kMaxRows;
+  l2.rows_hint = l1.rows_hint;
+  l2.row_offsets = l1.row_offsets;
+  l2.h_act = o.h_act.as<uint16_t>();
+  l2.row_weights = l1.row_weights;
+  l2.w2 = p.w2.as<uint8_t>();
+  l2.w2_sf = p.w2_sf.as<uint8_t>();
+  l2.small_scales = true;
+  l2.out = o.out.as<uint16_t>();
+  l2.tile = l1.tile;
+  l2.split_k = split;
+  l2.k_splits = s2;
+  return a;
+}
+
+// The fused kernel's workspace, zeroed.
+struct MegaBuffers {
+  Buffer counters, partials;
+  sm90::MegaWorkspace ws;
+  MegaBuffers() {
+    const int64_t slots = sm90::mega_counters(kMaxRows, kMaxE);
+    const int sms = cuda::device_info().sm_count;
+    const int64_t split_counters = sm90::mega_split_counters(sms);
+    counters = Buffer((2 * slots + split_counters) * 4, Device::cuda());
+    partials = Buffer(sm90::mega_split_partial_floats(sms) * 4, Device::cuda());
+    MEGAMOE_CUDA_CHECK(cudaMemset(counters.data(), 0, counters.size()));
+    ws.ready = counters.as<int32_t>();
+    ws.consumed = ws.ready + slots;
+    ws.capacity = slots;
+    ws.split_counters = ws.consumed + slots;
+    ws.split_counters_capacity = split_counters;
+    ws.split_partials = partials.as<float>();
+    ws.split_partial_floats = sm90::mega_split_partial_floats(sms);
+  }
+  bool all_zero() const {
+    const auto c = to_host<int32_t>(counters, counters.size() / 4);
+    return std::all_of(c.begin(), c.end(), [](int32_t v) { return v == 0; });
+  }
+};
+
+void expect_equal(const Outputs& a, const Outputs& b, int64_t rows, const std::string& what) {
+  EXPECT_EQ(to_host<uint8_t>(a.h_q, rows * kI), to_host<uint8_t>(b.h_q, rows * kI)) << what << ": h_q";
+  EXPECT_EQ(to_host<uint8_t>(a.h_sf, rows * kI / 32), to_host<uint8_t>(b.h_sf, rows * kI / 32)) << what << ": h_sf";
+  EXPECT_EQ(to_host<uint16_t>(a.h_act, rows * kI), to_host<uint16_t>(b.h_act, rows * kI)) << what << ": h_act";
+  EXPECT_EQ(to_host<uint16_t>(a.out, rows * kH), to_host<uint16_t>(b.out, rows * kH)) << what << ": out";
+}
+
+TEST(Sm90Mega, EqualsTheChainOnTheSameTileAndPartsBitForBit) {
+  MEGAMOE_REQUIRE_SM90();
+  const SplitWorkspace split(4096, int64_t(4096) * sm90::kMaxKSplits * 2048);
+  MegaBuffers mega;
+  struct Case {
+    const char* tile;
+    int s1, s2;
+  };
+  const Case cases[] = {{"decode_128x16_k2_warp_splitk", 1, 1}, {"decode_128x16_k2_warp_splitk", 2, 1},
+                        {"decode_128x16_k2_warp_splitk", 1, 3}, {"decode_128x16_k2_warp_splitk", 4, 2},
+                        {"decode_128x16_k1_warp_splitk", 3, 4}, {"decode_128x8_k4_warp", 0, 0},
+                        {"decode_128x16_k2_warp", 0, 0}};
+  // One row per hit expert (decode), a few, and experts over several 16-row n-tiles; empty ones;
+  // and 64 experts of one row each: 512 L1 tiles, in up to 2048 parts, more units than CTA
+  // slots (parts taken at run time, L2 tiles waiting on L1 tiles of later waves).
+  const std::vector<std::vector<int>> routings = {{1, 0, 1, 1, 0, 0, 1, 0},
+                                                  {3, 2, 0, 5, 1, 1, 0, 4},
+                                                  {40, 0, 17, 1, 64, 33, 0, 2},
+                                                  std::vector<int>(kMaxE, 1)};
+  uint64_t seed = 4000;
+  for (const auto& counts : routings) {
+    const Problem p = make_problem(counts, seed++);
+    const int64_t rows = p.host_offsets.back();
+    for (const Case& c : cases) {
+      const std::string what = std::string(c.tile) + " parts " + std::to_string(c.s1) + "/" +
+                               std::to_string(c.s2) + " rows " + std::to_string(rows);
+      Outputs chain_out, mega_out;
+      chain_out.poison();
+      Args chain = make_args(p, chain_out, c.tile, std::max(c.s1, 1), std::max(c.s2, 1), split.ws);
+      sm90::launch_l1(chain.l1, nullptr);
+      sm90::launch_l2(chain.l2, nullptr);
+      MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+      for (int call = 0; call < 2; ++call) {
+        mega_out.poison();
+        Args fused = make_args(p, mega_out, c.tile, c.s1, c.s2, split.ws);
+        ASSERT_TRUE(sm90::launch_mega(fused.l1, fused.l2, mega.ws, nullptr)) << what;
+        MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+        expect_equal(mega_out, chain_out, rows, what + " call " + std::to_string(call));
+        EXPECT_TRUE(mega.all_zero()) << what << ": counters left set";
+      }
+    }
+  }
+}
+
+TEST(Sm90Mega, RefusalsNameWhatIsWrong) {
+  MEGAMOE_REQUIRE_SM90();
+  const SplitWorkspace split(64, 64 * 2048);
+  const Problem p = make_problem({1, 1, 1, 1, 1, 1, 1, 1}, 4100);
+  Outputs o;
+  auto expect_error = [&](const Args& a, const sm90::MegaWorkspace& ws, const char* text) {
+    try {
+      (void)sm90::launch_mega(a.l1, a.l2, ws, nullptr);
+      ADD_FAILURE() << "no error; expected one naming " << text;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  MegaBuffers mega;
+  // A tile that does not split, asked for parts.
+  expect_error(make_args(p, o, "decode_128x16_k2_warp", 2, 1, split.ws), mega.ws, "runs unsplit");
+  // Counters too small for the capacity.
+  sm90::MegaWorkspace small = mega.ws;
+  small.capacity = 3;
+  expect_error(make_args(p, o, "decode_128x16_k2_warp", 0, 0, split.ws), small, "mega_counters");
+  // No unit counter.
+  sm90::SplitKWorkspace no_units = split.ws;
+  no_units.unit_counter = nullptr;
+  expect_error(make_args(p, o, "decode_128x16_k2_warp", 0, 0, no_units), mega.ws, "unit_counter");
+  // The FP8 mode and prefill tiles are chained: nothing launched.
+  Args fp8 = make_args(p, o, "auto", 0, 0, split.ws);
+  fp8.l1.act_fp8 = p.w13.as<uint8_t>();
+  EXPECT_FALSE(sm90::launch_mega(fp8.l1, fp8.l2, mega.ws, nullptr));
+  const Args prefill = make_args(p, o, "prefill_256x128_k2_staged", 0, 0, split.ws);
+  EXPECT_FALSE(sm90::launch_mega(prefill.l1, prefill.l2, mega.ws, nullptr));
+}
+
+}  // namespace
+}  // namespace megamoe
