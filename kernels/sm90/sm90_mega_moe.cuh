@@ -13,13 +13,13 @@
 // own tiles from registers, one producer warp; a split-K tile splits either GEMM's tiles in K,
 // the last part to arrive summing the parts in part order and finishing the tile):
 //   producer thread: per unit, its stages' weight copies and B boxes (L1: the gathered act rows,
-//                    L2: h_act). An L2 unit issues its first stage's weight copies (they depend
-//                    on nothing), then reads the slot's counter (ld.acquire.gpu); if the slot
-//                    is not ready, the weight copies of the pipeline's depth, then a spin
-//                    (nanosleep back-off, the trap deadline of every wait in these kernels);
-//                    then fence.proxy.async before its TMA reads. After its copies it counts
-//                    itself on the slot's consumed counter, and the slot's last L2 tile sets both
-//                    counters back to zero (the next call finds them zero).
+//                    L2: h_act). An L2 unit reads the slot's counter (ld.acquire.gpu); if the
+//                    slot is not ready, it issues the weight copies of its first stages (they
+//                    depend on nothing, up to the pipeline's depth), then spins (nanosleep
+//                    back-off, the trap deadline of every wait in these kernels); then
+//                    fence.proxy.async before its TMA reads; then it counts itself on the slot's
+//                    consumed counter, and the slot's last L2 tile sets both counters back to
+//                    zero (the next call finds them zero).
 //   math warpgroup:  the mainloop of the tile's GEMM, then its epilogue (L1: activation, routing
 //                    weight, requantization to h_q / h_sf / h_act; L2: out). After an L1 tile, a
 //                    warpgroup barrier, and one thread adds 1 to the slot's ready counter with
@@ -197,17 +197,21 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     while (u < num_units) {
       const bool l1 = u < l1_units;
       const TileInfo tile = ms.get(tile_of(u));
-      const int slot = l1 ? -1 : ms.slot(tile);
       if (!l1) {
         // An L2 tile reads the h rows of its slot: every L1 tile of the slot must be done. Its
-        // weights do not depend on them: the first stage's copies go out before the counter is
-        // read (its latency hides under them), the pipeline's depth of them before a wait.
-        copy_weights_ahead(u, tile, 1);
+        // weights do not depend on them: where the slot is not ready, the pipeline's depth of
+        // them goes out before the wait.
+        const int slot = ms.slot(tile);
         if (ptx::ld_acquire_gpu(mp.ready + slot) < ms.ready_target()) {
           copy_weights_ahead(u, tile, Cfg::kNumStages);
           wait_count(mp.ready + slot, ms.ready_target());
         }
         ptx::fence_proxy_async_global();  // the rows were written by generic-proxy stores
+        if (atomicAdd(mp.consumed + slot, 1) == ms.l2.m_tiles * splits2 - 1) {
+          // The slot's last L2 tile past its wait: no tile of this call reads either counter again.
+          mp.ready[slot] = 0;
+          mp.consumed[slot] = 0;
+        }
       }
       const CUtensorMap* map = l1 ? &tmap_act : &tmap_h;
       int kb_begin, kb_end;
@@ -225,15 +229,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         }
         if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
       }
-      // The slot's consumed count (an L2 tile past its wait) and the next unit: two independent
-      // atomics, one round trip.
-      const int consumed = l1 ? 0 : atomicAdd(mp.consumed + slot, 1);
       u = static_cast<int>(gridDim.x) + atomicAdd(mp.l1.unit_counter, 1);
-      if (!l1 && consumed == ms.l2.m_tiles * splits2 - 1) {
-        // The slot's last L2 tile past its wait: no tile of this call reads either counter again.
-        mp.ready[slot] = 0;
-        mp.consumed[slot] = 0;
-      }
     }
     // No more units: tell the math warpgroup, count this CTA out; the last one sets the unit
     // counters back to zero.
