@@ -26,3 +26,8 @@
 #ifndef MEGAMOE_DIAG_EPILOGUE_FREE
 #define MEGAMOE_DIAG_EPILOGUE_FREE 0
 #endif
+
+// 1: every mbarrier wait (ptx/sm90_ptx.cuh) and the MegaMoE kernel's counter waits print who
+// waits where once they have waited ~1 s, before the deadline's trap: a stall diagnosis (tuning
+// log v24). Results stay right; the printf makes ptxas serialize the wgmma kernels' MMAs. Read
+// where it is used as `defined(...) && ...` (the PTX header does not include this one).
