@@ -7,7 +7,11 @@
 #   - the source path the test binaries have compiled in ($SRC_BUILT_AT, default /work/main)
 #     linked to this tree, so they find examples/;
 #   - start_python_build JOBS: the Python extension built from this tree into /tmp/build-py in the
-#     background (log $OUT/python_build.log, pid $pybuild), with .carry/deps and its NCCL headers.
+#     background (log $OUT/python_build.log, pid $pybuild), with .carry/deps and its NCCL headers;
+#   - run_gpu_tests BIN PATTERN: BIN/megamoe_gpu_tests (every test, or $TESTS_FILTER) into
+#     $OUT/gpu_tests.log, its summary and the lines matching PATTERN into $LOG;
+#   - run_python_tests BIN: waits for that build, then the sm90 Python tests ($PYTESTS) into
+#     $OUT/python.log, the summary into $LOG.
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
@@ -25,4 +29,20 @@ start_python_build() {
      -DMEGAMOE_NCCL_INCLUDE_DIR="$ROOT/.carry/deps/nccl/include" &&
    ninja -C /tmp/build-py -j"${1:-12}") >"$OUT/python_build.log" 2>&1 &
   pybuild=$!
+}
+run_gpu_tests() {
+  say "gpu tests (${TESTS_FILTER:-all})"
+  timeout ${TESTS_TIMEOUT:-280} "$1/megamoe_gpu_tests" --gtest_filter="${TESTS_FILTER:-*}" \
+    >"$OUT/gpu_tests.log" 2>&1
+  echo "exit $?" >>"$OUT/gpu_tests.log"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED)|FAILED|$2|^exit|Failure" "$OUT/gpu_tests.log" | head -60 >>"$LOG"
+}
+run_python_tests() {
+  say "python sm90 tests"
+  wait "$pybuild"; echo "python build exit $?" >>"$LOG"; tail -2 "$OUT/python_build.log" >>"$LOG"
+  PYTHONPATH=/tmp/build-py/python MEGAMOE_CLI="$1/megamoe" timeout 150 python3 -m pytest -q -rs \
+    -p no:cacheprovider ${PYTESTS:-tests/python/test_gpu.py tests/python/test_layer.py} \
+    >"$OUT/python.log" 2>&1
+  echo "exit $?" >>"$OUT/python.log"
+  grep -E "passed|failed|Error|^exit" "$OUT/python.log" | tail -20 >>"$LOG"
 }

@@ -18,22 +18,8 @@ FP8_MIN_ROWS=${FP8_MIN_ROWS:-0}
 . "$(dirname "$0")/device_common.sh"
 
 if has python; then start_python_build 12; fi
-if has tests; then
-  say "gpu tests (all)"
-  timeout ${TESTS_TIMEOUT:-280} "$BIN/megamoe_gpu_tests" --gtest_filter="${TESTS_FILTER:-*}" \
-    >"$OUT/gpu_tests.log" 2>&1
-  echo "exit $?" >>"$OUT/gpu_tests.log"
-  grep -E "^\[  (PASSED|FAILED|SKIPPED)|FAILED|fp8|Fp8|^exit|Failure" "$OUT/gpu_tests.log" | head -60 >>"$LOG"
-fi
-if has python; then
-  say "python sm90 tests"
-  wait "$pybuild"; echo "python build exit $?" >>"$LOG"; tail -2 "$OUT/python_build.log" >>"$LOG"
-  PYTHONPATH=/tmp/build-py/python MEGAMOE_CLI="$BIN/megamoe" timeout 150 python3 -m pytest -q -rs \
-    -p no:cacheprovider ${PYTESTS:-tests/python/test_gpu.py tests/python/test_layer.py} \
-    >"$OUT/python.log" 2>&1
-  echo "exit $?" >>"$OUT/python.log"
-  grep -E "passed|failed|Error|^exit" "$OUT/python.log" | tail -20 >>"$LOG"
-fi
+if has tests; then run_gpu_tests "$BIN" "fp8|Fp8"; fi
+if has python; then run_python_tests "$BIN"; fi
 if has gemmbench; then
   say "grouped-GEMM benchmark (tiles ${MEGAMOE_BENCH_TILES:-all}, tokens ${MEGAMOE_BENCH_TOKENS:-default})"
   timeout ${GEMMBENCH_TIMEOUT:-200} "$BIN/megamoe_gemm_bench" >"$OUT/gemm_bench.txt" 2>&1

@@ -233,20 +233,7 @@ TEST(Sm90GemmBench, Shapes) {
                                      int64_t(bench_split_tiles) * sm90::kMaxKSplits * 128 * 16);
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
     // The MegaMoE kernel's counters and split-K area (MEGAMOE_BENCH_MEGA).
-    const int64_t mega_slots = sm90::mega_counters(max_rows, int(s.E));
-    const int64_t mega_split_floats = sm90::mega_split_partial_floats(dev.sm_count);
-    const int64_t mega_split_counters = sm90::mega_split_counters(dev.sm_count);
-    Buffer mega_counters((2 * mega_slots + mega_split_counters) * 4, Device::cuda());
-    Buffer mega_partials(mega_split_floats * 4, Device::cuda());
-    MEGAMOE_CUDA_CHECK(cudaMemset(mega_counters.data(), 0, mega_counters.size()));
-    sm90::MegaWorkspace mega_ws;
-    mega_ws.ready = mega_counters.as<int32_t>();
-    mega_ws.consumed = mega_ws.ready + mega_slots;
-    mega_ws.capacity = mega_slots;
-    mega_ws.split_counters = mega_ws.consumed + mega_slots;
-    mega_ws.split_counters_capacity = mega_split_counters;
-    mega_ws.split_partials = mega_partials.as<float>();
-    mega_ws.split_partial_floats = mega_split_floats;
+    const MegaBuffers mega(max_rows, int(s.E));
     const bool w13_small = sm90::scales_all_small(w13sf.as<uint8_t>(), w13sf.size(), nullptr);
     const bool w2_small = sm90::scales_all_small(w2sf.as<uint8_t>(), w2sf.size(), nullptr);
     printf("[bench] %s: scale bytes all < 128: w13 %d, w2 %d\n", s.name, int(w13_small), int(w2_small));
@@ -345,7 +332,7 @@ TEST(Sm90GemmBench, Shapes) {
         a2.h_act = hact_out.as<uint16_t>();  // L2 reads what L1 writes, as in the layer
         auto launch = [&](int it, cudaStream_t st) {
           a1.row_offsets = a2.row_offsets = offs[it % kRot].as<int32_t>();
-          if (chain || !sm90::launch_mega(a1, a2, mega_ws, st)) {
+          if (chain || !sm90::launch_mega(a1, a2, mega.ws, st)) {
             sm90::launch_l1(a1, st);
             sm90::launch_l2(a2, st);
           }

@@ -20,22 +20,8 @@ BENCH_ARGS=${BENCH_ARGS:---shape kimi-k3,deepseek-v3 --tokens 1,8,64,512,4096}
 . "$(dirname "$0")/device_common.sh"
 
 if has python; then start_python_build 12; fi
-if has tests; then
-  say "gpu tests (${TESTS_FILTER:-all})"
-  timeout ${TESTS_TIMEOUT:-280} "$BIN/megamoe_gpu_tests" --gtest_filter="${TESTS_FILTER:-*}" \
-    >"$OUT/gpu_tests.log" 2>&1
-  echo "exit $?" >>"$OUT/gpu_tests.log"
-  grep -E "^\[  (PASSED|FAILED|SKIPPED)|FAILED|Mega|^exit|Failure" "$OUT/gpu_tests.log" | head -60 >>"$LOG"
-fi
-if has python; then
-  say "python sm90 tests"
-  wait "$pybuild"; echo "python build exit $?" >>"$LOG"; tail -2 "$OUT/python_build.log" >>"$LOG"
-  PYTHONPATH=/tmp/build-py/python MEGAMOE_CLI="$BIN/megamoe" timeout 150 python3 -m pytest -q -rs \
-    -p no:cacheprovider ${PYTESTS:-tests/python/test_gpu.py tests/python/test_layer.py} \
-    >"$OUT/python.log" 2>&1
-  echo "exit $?" >>"$OUT/python.log"
-  grep -E "passed|failed|Error|^exit" "$OUT/python.log" | tail -20 >>"$LOG"
-fi
+if has tests; then run_gpu_tests "$BIN" "Mega"; fi
+if has python; then run_python_tests "$BIN"; fi
 if has ncu; then
   # Where the time goes: the chain's two GEMM launches and the fused kernel of one call, with
   # the speed-of-light, warp-state and scheduler sections (NCU_RUNS="shape:tokens ...").

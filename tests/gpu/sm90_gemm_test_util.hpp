@@ -1,5 +1,6 @@
-// sm90_gemm_test_util.hpp: helpers shared by the grouped-GEMM tests (tests/gpu/test_sm90_gemm.cu)
-// and the GEMM benchmark (bench/gemm_bench.cu): host <-> device copies and a split-K workspace.
+// sm90_gemm_test_util.hpp: helpers shared by the grouped-GEMM tests (tests/gpu/test_sm90_gemm.cu,
+// test_sm90_mega.cu) and the GEMM benchmark (bench/gemm_bench.cu): host <-> device copies, a
+// split-K workspace and the MegaMoE kernel's workspace.
 #pragma once
 
 #include <algorithm>
@@ -8,7 +9,9 @@
 
 #include "megamoe/buffer.hpp"
 #include "moe/sm90_gemm.hpp"
+#include "moe/sm90_mega.hpp"
 #include "runtime/cuda_check.hpp"
+#include "runtime/cuda_device.hpp"
 
 namespace megamoe {
 
@@ -39,6 +42,33 @@ struct SplitWorkspace {
     ws.counters = counters.as<int32_t>();
     ws.counters_capacity = counters_capacity;
     ws.unit_counter = counters.as<int32_t>() + counters_capacity;
+  }
+};
+
+// The MegaMoE kernel's workspace (sm90::MegaWorkspace) with its buffers, zeroed, for max_rows
+// rows over num_experts local experts, with the split-K area for the current device.
+struct MegaBuffers {
+  Buffer counters, partials;
+  sm90::MegaWorkspace ws;
+  MegaBuffers(int64_t max_rows, int num_experts) {
+    const int64_t slots = sm90::mega_counters(max_rows, num_experts);
+    const int sms = cuda::device_info().sm_count;
+    const int64_t split_counters = sm90::mega_split_counters(sms);
+    counters = Buffer((2 * slots + split_counters) * 4, Device::cuda());
+    partials = Buffer(sm90::mega_split_partial_floats(sms) * 4, Device::cuda());
+    MEGAMOE_CUDA_CHECK(cudaMemset(counters.data(), 0, counters.size()));
+    ws.ready = counters.as<int32_t>();
+    ws.consumed = ws.ready + slots;
+    ws.capacity = slots;
+    ws.split_counters = ws.consumed + slots;
+    ws.split_counters_capacity = split_counters;
+    ws.split_partials = partials.as<float>();
+    ws.split_partial_floats = sm90::mega_split_partial_floats(sms);
+  }
+  // Whether every counter is zero (as every launch must leave them).
+  bool all_zero() const {
+    const auto c = to_host<int32_t>(counters, counters.size() / 4);
+    return std::all_of(c.begin(), c.end(), [](int32_t v) { return v == 0; });
   }
 };
 

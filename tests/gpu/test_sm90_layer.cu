@@ -950,6 +950,21 @@ void expect_mega_equals_chain(LayerCase c, uint64_t seed, bool y_too = true) {
   }
 }
 
+// A case of the fused kernel's tests: `shape` at EP ep_size (rank ep_rank), t tokens, `routing`
+// (10 % empty slots when skewed), the MegaMoE kernel on.
+LayerCase mega_case(const char* shape, int64_t t, Routing routing = Routing::kUniform,
+                    int ep_size = 1, int ep_rank = 0) {
+  LayerCase c;
+  c.shape = shape;
+  c.ep_size = ep_size;
+  c.ep_rank = ep_rank;
+  c.tokens = t;
+  c.routing = routing;
+  c.empty_fraction = routing == Routing::kSkewed ? 0.1 : 0.0;
+  c.mega = true;
+  return c;
+}
+
 TEST(Sm90Layer, MegaKernelEqualsTheChainBitForBit) {
   MEGAMOE_REQUIRE_SM90();
   uint64_t seed = 3200;
@@ -962,13 +977,7 @@ TEST(Sm90Layer, MegaKernelEqualsTheChainBitForBit) {
       for (int64_t t : {int64_t(1), int64_t(8), int64_t(64), int64_t(300)}) {
         for (Routing routing : {Routing::kUniform, Routing::kSkewed, Routing::kAdversarial}) {
           if (std::string(sh.name) != "small" && routing != Routing::kUniform && t != 64) continue;
-          LayerCase c;
-          c.shape = sh.name;
-          c.ep_size = sh.ep_size;
-          c.ep_rank = sh.ep_rank;
-          c.tokens = t;
-          c.routing = routing;
-          c.empty_fraction = routing == Routing::kSkewed ? 0.1 : 0.0;
+          LayerCase c = mega_case(sh.name, t, routing, sh.ep_size, sh.ep_rank);
           c.gemm_tile = tile;
           expect_mega_equals_chain(c, seed++);
         }
@@ -981,10 +990,7 @@ TEST(Sm90Layer, MegaKernelEqualsTheChainBitForBit) {
 // on the same tile, so the intermediate is the same bit for bit (y: the reference checks below).
 TEST(Sm90Layer, MegaKernelSplitsL1AsTheChain) {
   MEGAMOE_REQUIRE_SM90();
-  LayerCase c;
-  c.shape = "deepseek-v3";
-  c.tokens = 1;
-  expect_mega_equals_chain(c, 3250, false);
+  expect_mega_equals_chain(mega_case("deepseek-v3", 1), 3250, false);
 }
 
 // The policy's tile (auto): the reference checks of every layer test, at decode and prefill
@@ -1000,10 +1006,7 @@ TEST(Sm90Layer, MegaKernelAgainstTheReference) {
     }
   }
   for (int64_t t : {int64_t(1), int64_t(8), int64_t(64)}) {
-    LayerCase c;
-    c.shape = "deepseek-v3";
-    c.tokens = t;
-    c.mega = true;
+    LayerCase c = mega_case("deepseek-v3", t);
     c.max_checked_tokens = 16;
     run_case(c, seed++);
   }
@@ -1013,19 +1016,10 @@ TEST(Sm90Layer, MegaKernelAgainstTheReference) {
 // calls, with the fused kernel.
 TEST(Sm90Layer, MegaKernelGraphReplayAndBackToBackCalls) {
   MEGAMOE_REQUIRE_SM90();
-  LayerCase a;
-  a.shape = "deepseek-v3";
-  a.tokens = 1;
-  a.mega = true;
+  const LayerCase a = mega_case("deepseek-v3", 1);
   check_graph_and_determinism(a, 3400);
   check_programmatic_launch(a, 3401);
-  LayerCase b;
-  b.shape = "kimi-k3";
-  b.ep_size = 8;
-  b.ep_rank = 3;
-  b.tokens = 64;
-  b.routing = Routing::kSkewed;
-  b.mega = true;
+  const LayerCase b = mega_case("kimi-k3", 64, Routing::kSkewed, 8, 3);
   check_graph_and_determinism(b, 3402);
   check_programmatic_launch(b, 3403);
 }

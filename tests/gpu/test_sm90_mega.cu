@@ -123,31 +123,6 @@ Args make_args(const Problem& p, Outputs& o, const std::string& tile, int s1, in
   return a;
 }
 
-// The fused kernel's workspace, zeroed.
-struct MegaBuffers {
-  Buffer counters, partials;
-  sm90::MegaWorkspace ws;
-  MegaBuffers() {
-    const int64_t slots = sm90::mega_counters(kMaxRows, kMaxE);
-    const int sms = cuda::device_info().sm_count;
-    const int64_t split_counters = sm90::mega_split_counters(sms);
-    counters = Buffer((2 * slots + split_counters) * 4, Device::cuda());
-    partials = Buffer(sm90::mega_split_partial_floats(sms) * 4, Device::cuda());
-    MEGAMOE_CUDA_CHECK(cudaMemset(counters.data(), 0, counters.size()));
-    ws.ready = counters.as<int32_t>();
-    ws.consumed = ws.ready + slots;
-    ws.capacity = slots;
-    ws.split_counters = ws.consumed + slots;
-    ws.split_counters_capacity = split_counters;
-    ws.split_partials = partials.as<float>();
-    ws.split_partial_floats = sm90::mega_split_partial_floats(sms);
-  }
-  bool all_zero() const {
-    const auto c = to_host<int32_t>(counters, counters.size() / 4);
-    return std::all_of(c.begin(), c.end(), [](int32_t v) { return v == 0; });
-  }
-};
-
 void expect_equal(const Outputs& a, const Outputs& b, int64_t rows, const std::string& what) {
   EXPECT_EQ(to_host<uint8_t>(a.h_q, rows * kI), to_host<uint8_t>(b.h_q, rows * kI)) << what << ": h_q";
   EXPECT_EQ(to_host<uint8_t>(a.h_sf, rows * kI / 32), to_host<uint8_t>(b.h_sf, rows * kI / 32)) << what << ": h_sf";
@@ -158,7 +133,7 @@ void expect_equal(const Outputs& a, const Outputs& b, int64_t rows, const std::s
 TEST(Sm90Mega, EqualsTheChainOnTheSameTileAndPartsBitForBit) {
   MEGAMOE_REQUIRE_SM90();
   const SplitWorkspace split(4096, int64_t(4096) * sm90::kMaxKSplits * 2048);
-  MegaBuffers mega;
+  MegaBuffers mega(kMaxRows, kMaxE);
   struct Case {
     const char* tile;
     int s1, s2;
@@ -212,7 +187,7 @@ TEST(Sm90Mega, RefusalsNameWhatIsWrong) {
       EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
     }
   };
-  MegaBuffers mega;
+  MegaBuffers mega(kMaxRows, kMaxE);
   // A tile that does not split, asked for parts.
   expect_error(make_args(p, o, "decode_128x16_k2_warp", 2, 1, split.ws), mega.ws, "runs unsplit");
   // Counters too small for the capacity.
