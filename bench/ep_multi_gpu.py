@@ -20,7 +20,7 @@ LD_LIBRARY_PATH and sets NCCL_NVLS_ENABLE=0 for its children (never NVLink multi
 starting them; the parent itself never loads NCCL.
 
 What it runs (--steps correctness,perf; --shapes kimi-k3,deepseek-v3; --precision exact|fp8 for
-every layer, the FP8 mode by the layer's own rule):
+every layer, the FP8 mode by the layer's own rule; --mega: every layer with the MegaMoE kernel):
 
 correctness, per shape, capacity --check-tokens (64) per rank. Global inputs are made identically
   on every rank (synthetic_activations / make_routing of the whole R * T rows); rank r takes rows
@@ -385,6 +385,10 @@ def parse_args(argv=None):
     ap.add_argument("--precision", choices=("exact", "fp8"), default="exact",
                     help="every layer's precision (fp8: the FP8 mode by the layer's rule, "
                          "docs/numerics.md; run the command once per precision)")
+    ap.add_argument("--mega", action="store_true",
+                    help="every layer with the MegaMoE kernel (LayerConfig(mega_kernel=True): "
+                         "both GEMMs of decode calls in one launch; run the command with and "
+                         "without it)")
     ap.add_argument("--out", default="/tmp/ep_multi")
     args = ap.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
@@ -460,9 +464,9 @@ class Child:
         if ep:
             return self.mm.LayerConfig(shape, ep_size=self.ranks, ep_rank=self.rank,
                                        max_tokens_per_rank=cap, gemm_tile=tile,
-                                       precision=self.args.precision)
+                                       precision=self.args.precision, mega_kernel=self.args.mega)
         return self.mm.LayerConfig(shape, max_tokens_per_rank=cap, gemm_tile=tile,
-                                   precision=self.args.precision)
+                                   precision=self.args.precision, mega_kernel=self.args.mega)
 
     # -- correctness
     def correctness(self, shape):
@@ -694,7 +698,7 @@ class Child:
         # (its rule sees T*K/E_l rows per expert, as the EP layer's T x R does)
         one_cfg = mm.LayerConfig(mm.LayerShape(sh.hidden, sh.intermediate, e_local, sh.top_k),
                                  activation=base_cfg.activation, max_tokens_per_rank=tmax,
-                                 precision=self.args.precision)
+                                 precision=self.args.precision, mega_kernel=self.args.mega)
         one = mm.MoELayer(one_cfg, mm.synthetic_weights(one_cfg, SEED), backend="sm90")
         self.emit(kind="built", shape=shape, step="perf", max_recv_rows=rows)
         for t in self.args.tokens:

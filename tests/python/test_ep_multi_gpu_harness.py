@@ -207,6 +207,7 @@ def test_help_and_args():
     a = epm.parse_args(["--tokens", "1,8", "--steps", "perf", "--shapes", "deepseek-v3"])
     assert a.tokens == [1, 8] and a.steps == ["perf"] and a.shapes == ["deepseek-v3"]
     assert a.precision == "exact" and epm.parse_args(["--precision", "fp8"]).precision == "fp8"
+    assert not a.mega and epm.parse_args(["--mega"]).mega
     with pytest.raises(SystemExit):
         epm.parse_args(["--steps", "nonsense"])
     with pytest.raises(SystemExit):
