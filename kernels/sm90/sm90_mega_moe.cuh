@@ -4,10 +4,11 @@
 // boundary.
 //
 // Work list (MegaSchedule, sm90_tile_schedule.hpp): L1's tiles, then L2's, over the same token-row
-// n-tiles; a slot is an (expert, n-tile). CTA b runs unit b first and every CTA's producer takes
-// its next unit from a counter in increasing order, so a unit is only ever taken by a running CTA
-// and every L1 tile is taken before any L2 tile: an L2 tile waits only on L1 tiles that running
-// CTAs will finish, whatever the residency (several virtual EP ranks' kernels on one GPU).
+// n-tiles; a slot is an (expert, n-tile). Every CTA's producer takes each of its units, the
+// first one included, from a counter in increasing order, so a unit is only ever taken by a
+// running CTA and every L1 tile is taken before any L2 tile: an L2 tile waits only on L1 tiles
+// that running CTAs will finish, whatever the residency (several virtual EP ranks' kernels, or
+// an EP kernel's waiting CTA, sharing the SMs).
 //
 // Roles (the decode tiles' shape, TileConfig::mega_kernel: one math warpgroup that finishes its
 // own tiles from registers, one producer warp; a split-K tile splits either GEMM's tiles in K,
@@ -101,8 +102,10 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     ptx::prefetch_tensor_map(&tmap_h);
   }
   // Programmatic dependent launch as in the GEMM kernel (GemmParams::prefetch_before_wait): the
-  // schedule (row_offsets: written two launches back) and the first unit's weight copies come
-  // before the wait for the previous kernel.
+  // schedule (row_offsets: written two launches back) is built before the wait for the previous
+  // kernel. No weights are: every unit, the first one included, is taken from the unit counter,
+  // which is only valid after the wait (a unit fixed per CTA would be held by a CTA that may not
+  // be resident while the others wait on it: deadlock).
   const bool prefetch = mp.l1.prefetch_before_wait != 0;
   if (!prefetch) ptx::grid_dependency_wait();
   build_schedule<Cfg::kThreads, Cfg::kBlockN>(mp.l1.row_offsets, num_experts, mp.l1.max_rows,
@@ -185,15 +188,10 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         if (++s == Cfg::kNumStages) { s = 0; ph ^= 1u; }
       }
     };
-    if (prefetch) {
-      if (static_cast<int>(blockIdx.x) < num_units) {
-        copy_weights_ahead(blockIdx.x, ms.get(tile_of(blockIdx.x)), Cfg::kNumStages);
-      }
-      ptx::grid_dependency_wait();
-    }
+    if (prefetch) ptx::grid_dependency_wait();
     // Every read of the previous kernels' outputs and of the counters comes after the wait.
     ptx::launch_dependents();
-    int u = blockIdx.x;
+    int u = atomicAdd(mp.l1.unit_counter, 1);
     while (u < num_units) {
       const bool l1 = u < l1_units;
       const TileInfo tile = ms.get(tile_of(u));
@@ -229,7 +227,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         }
         if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
       }
-      u = static_cast<int>(gridDim.x) + atomicAdd(mp.l1.unit_counter, 1);
+      u = atomicAdd(mp.l1.unit_counter, 1);
     }
     // No more units: tell the math warpgroup, count this CTA out; the last one sets the unit
     // counters back to zero.
@@ -253,7 +251,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       ptx::mbar_wait(&full_bars[stage], phase);
       return static_cast<int>(s_stage_unit[stage]);
     };
-    for (int u = blockIdx.x; u >= 0 && u < num_units; u = next_unit()) {
+    for (int u = next_unit(); u >= 0 && u < num_units; u = next_unit()) {
       const bool l1 = u < l1_units;
       const TileInfo tile = ms.get(tile_of(u));
       int kb_begin, kb_end;

@@ -195,5 +195,167 @@ TEST(MegaSchedule, SimulationCatchesAnOrderThatDeadlocks) {
   EXPECT_FALSE(simulate(m, order, 1, false, 1));
 }
 
+// The fused kernel's protocol as sm90_mega_moe.cuh runs it, step by step: units (L1 tile t's K
+// parts t s1 + sp, then L2 tile t's parts U1 + t s2 + sp); per CTA a producer that takes units
+// from the counter (every unit, or with `fixed_first` unit b first as a static split would),
+// an L2 unit's producer that waits for its slot's ready count, adds one to the slot's consumed
+// count past the wait and, as the slot's last L2 unit, zeroes both; a producer that runs at most
+// one unit ahead of its math (the pipeline); a math that ends each unit after a few steps, an L1
+// tile's last part adding one to its slot's ready count. At most `resident` CTAs run at once (the
+// others start as running ones exit: SMs shared with other kernels); `launches` launches run at
+// once on the same counters (the layer runs one). The outcome: a deadlock, an L2 unit past its
+// wait before every L1 tile of its slot has ended, counters not all zero at the end, or none.
+struct KernelRun {
+  int s1 = 1, s2 = 1, grid = 8, resident = 8, launches = 1;
+  bool fixed_first = false;
+};
+enum class Outcome { kOk, kDeadlock, kEarlyPass, kCountersLeftSet };
+Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int slots = m.num_slots();
+  const int u1 = m.l1_tiles() * k.s1;
+  const int units = u1 + m.l2.total_tiles() * k.s2;
+  std::vector<int> ready(static_cast<size_t>(slots), 0), consumed(ready.size(), 0);
+  struct Launch {
+    int counter = 0, exited = 0;
+    std::vector<int> parts_arrived, l1_ended;  // per L1 tile; per slot (for the check)
+  };
+  std::vector<Launch> launches(static_cast<size_t>(k.launches));
+  for (Launch& l : launches) {
+    l.parts_arrived.assign(static_cast<size_t>(m.l1_tiles()), 0);
+    l.l1_ended.assign(static_cast<size_t>(slots), 0);
+  }
+  struct Cta {
+    int launch = 0, b = 0;
+    bool started = false, exited = false, producer_done = false, first_taken = false;
+    int produced = -1;  // unit the producer holds (-1 none); waiting on its slot if L2
+    bool passed = false;  // that unit's L2 wait passed
+    std::vector<int> queue;  // units handed to the math, in order
+    int left = 0;            // steps left of queue.front()
+  };
+  std::vector<Cta> ctas;
+  for (int l = 0; l < k.launches; ++l)
+    for (int b = 0; b < k.grid; ++b) ctas.push_back(Cta{l, b});
+  // CTAs start in a random order, at most `resident` at once.
+  std::vector<size_t> start_order(ctas.size());
+  for (size_t i = 0; i < ctas.size(); ++i) start_order[i] = i;
+  std::shuffle(start_order.begin(), start_order.end(), rng);
+  size_t next_start = 0;
+  int running = 0;
+  auto slot_of = [&](int u) { return m.slot(m.get(u < u1 ? u / k.s1 : (u - u1) / k.s2 + m.l1_tiles())); };
+  auto take = [&](Cta& c) {
+    Launch& l = launches[static_cast<size_t>(c.launch)];
+    if (k.fixed_first && !c.first_taken) {
+      c.first_taken = true;
+      return c.b < units ? c.b : units;
+    }
+    const int u = (k.fixed_first ? k.grid : 0) + l.counter++;
+    return u < units ? u : units;
+  };
+  int finished_launches = 0;
+  bool early = false;
+  for (int step = 0; finished_launches < k.launches; ++step) {
+    bool progress = false;
+    while (running < k.resident && next_start < start_order.size()) {
+      ctas[start_order[next_start++]].started = true;
+      ++running;
+      progress = true;
+    }
+    for (Cta& c : ctas) {
+      if (!c.started || c.exited) continue;
+      Launch& l = launches[static_cast<size_t>(c.launch)];
+      // producer
+      if (!c.producer_done && c.queue.size() < 2) {
+        if (c.produced < 0) {
+          c.produced = take(c);
+          c.passed = false;
+          progress = true;
+        }
+        if (c.produced >= units) {
+          c.producer_done = true;
+        } else if (c.produced < u1) {
+          c.queue.push_back(c.produced);
+          c.produced = -1;
+        } else if (!c.passed) {
+          const size_t s = static_cast<size_t>(slot_of(c.produced));
+          if (ready[s] >= m.ready_target()) {
+            if (l.l1_ended[s] != m.ready_target()) early = true;
+            c.passed = true;
+            progress = true;
+            if (++consumed[s] == m.l2.m_tiles * k.s2) ready[s] = consumed[s] = 0;
+          }
+        }
+        if (c.passed) {
+          c.queue.push_back(c.produced);
+          c.produced = -1;
+        }
+      }
+      // math
+      if (!c.queue.empty()) {
+        if (c.left == 0) c.left = 1 + static_cast<int>(rng() % 4);
+        progress = true;
+        if (--c.left == 0) {
+          const int u = c.queue.front();
+          c.queue.erase(c.queue.begin());
+          if (u < u1) {
+            const size_t t = static_cast<size_t>(u / k.s1);
+            if (++l.parts_arrived[t] == k.s1) {
+              l.parts_arrived[t] = 0;
+              const size_t s = static_cast<size_t>(slot_of(u));
+              ++ready[s];
+              ++l.l1_ended[s];
+            }
+          }
+        }
+      }
+      if (c.producer_done && c.queue.empty()) {
+        c.exited = true;
+        --running;
+        progress = true;
+        if (++l.exited == k.grid) ++finished_launches;
+      }
+    }
+    if (!progress) return Outcome::kDeadlock;
+  }
+  if (early) return Outcome::kEarlyPass;
+  for (size_t s = 0; s < ready.size(); ++s) {
+    if (ready[s] != 0 || consumed[s] != 0) return Outcome::kCountersLeftSet;
+  }
+  return Outcome::kOk;
+}
+
+TEST(MegaSchedule, KernelProtocolCompletesWithPartsAndFewResidentCtas) {
+  for (uint32_t seed = 1; seed <= 10; ++seed) {
+    const Problem p = make_problem(3 + static_cast<int>(seed % 11), 6, 5, seed);
+    const Mega m = p.mega();
+    for (const KernelRun& k : {KernelRun{1, 1, 8, 8}, KernelRun{2, 1, 8, 8}, KernelRun{1, 3, 16, 5},
+                               KernelRun{4, 2, 132, 40}, KernelRun{3, 4, 64, 1}, KernelRun{2, 2, 32, 7}}) {
+      EXPECT_EQ(simulate_kernel(m, k, seed * 17 + static_cast<uint32_t>(k.grid)), Outcome::kOk)
+          << "seed " << seed << " parts " << k.s1 << "/" << k.s2 << " grid " << k.grid
+          << " resident " << k.resident;
+    }
+  }
+}
+
+// The two hazards the kernel's rules avoid: a first unit fixed per CTA (as the decode GEMMs' static
+// first unit) deadlocks when not every CTA can be resident at once, and two launches at once on one
+// workspace's counters fail (an early pass, a deadlock or counters left set).
+TEST(MegaSchedule, KernelProtocolFailsWithFixedFirstUnitsOrSharedCounters) {
+  const Problem p = make_problem(6, 6, 5, 5);
+  const Mega m = p.mega();
+  ASSERT_GT(m.l1_tiles(), 8);
+  KernelRun fixed{1, 1, 8, 4};
+  fixed.fixed_first = true;
+  EXPECT_EQ(simulate_kernel(m, fixed, 1), Outcome::kDeadlock)
+      << "fixed first units with half the CTAs resident";
+  int failed = 0;
+  for (uint32_t seed = 1; seed <= 20; ++seed) {
+    KernelRun two{1, 1, 8, 16};
+    two.launches = 2;
+    failed += simulate_kernel(m, two, seed) != Outcome::kOk;
+  }
+  EXPECT_GT(failed, 0) << "two launches on one set of counters never failed in 20 runs";
+}
+
 }  // namespace
 }  // namespace megamoe::sm90
