@@ -83,10 +83,10 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   v.split_k.counters_capacity = split_k_counters();
   v.split_k.counters = carver.take<int32_t>(v.split_k.counters_capacity);
   v.split_k.unit_counter = carver.take<int32_t>(2);  // decode launches take units at run time
-  v.mega.capacity = mega_counters(rows, static_cast<int>(c.num_local_experts()));
-  v.mega.ready = carver.take<int32_t>(v.mega.capacity);
-  v.mega.consumed = carver.take<int32_t>(v.mega.capacity);
-  if (c.sm90.mega_kernel) {  // the fused kernel's split-K parts (both GEMMs at once)
+  if (c.sm90.mega_kernel) {  // the fused kernel's slot counters and split-K parts
+    v.mega.capacity = mega_counters(rows, static_cast<int>(c.num_local_experts()));
+    v.mega.ready = carver.take<int32_t>(v.mega.capacity);
+    v.mega.consumed = carver.take<int32_t>(v.mega.capacity);
     const int sms = cuda::device_info().sm_count;
     v.mega.split_partial_floats = mega_split_partial_floats(sms);
     v.mega.split_partials = carver.take<float>(v.mega.split_partial_floats);

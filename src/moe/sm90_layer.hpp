@@ -72,7 +72,8 @@ struct WorkspaceView {
   uint8_t* w2_row_exp = nullptr;   // [E_l, H]
   DispatchError* error = nullptr;
   SplitKWorkspace split_k;         // L1 and L2 in turn (one stream); counters zeroed once
-  MegaWorkspace mega;              // the MegaMoE kernel's slot counters; zeroed once
+  MegaWorkspace mega;              // the MegaMoE kernel's counters (config.sm90.mega_kernel; empty
+                                   // otherwise); zeroed once
 };
 
 class Sm90Layer {

@@ -22,8 +22,7 @@ constexpr TileId mega_tile_at() {
 }
 template <size_t kI>
 constexpr MegaLauncher mega_launcher_of() {
-  constexpr TileId kId = kMegaTiles[kI];
-  return &launch_mega_tile<kId>;
+  return &launch_mega_tile<mega_tile_at<kI>()>;
 }
 template <size_t... kI>
 constexpr std::array<MegaLauncher, kNumMegaTiles> make_mega_launchers(std::index_sequence<kI...>) {
@@ -86,7 +85,6 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
                     mega_counters(a1.max_rows, a1.num_experts), " slots each (mega_counters), got ",
                     ws.empty() ? 0 : ws.capacity);
   for (GemmParams* p : {&mp.l1, &mp.l2}) {
-    p->k_splits = 1;
     p->gate_min_avg = p->gate_max_avg = 0;
     p->unit_counter = a1.split_k.unit_counter;
   }
@@ -101,8 +99,6 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
   mp.l1.split_partial_floats = ws.split_partial_floats;
   mp.l1.split_counters = ws.split_counters;
   mp.l1.split_counters_capacity = static_cast<int>(std::min<int64_t>(ws.split_counters_capacity, INT32_MAX));
-  mp.l2.split_partials = nullptr;
-  mp.l2.split_counters = nullptr;
   mp.ready = ws.ready;
   mp.consumed = ws.consumed;
   mp.ready_capacity = static_cast<int>(std::min<int64_t>(ws.capacity, INT32_MAX));

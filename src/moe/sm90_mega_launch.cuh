@@ -33,10 +33,6 @@ void launch_mega_tile(const MegaParams& mp, const void* act, const void* h_act, 
                       "): tile ", Cfg::kTile.name, Cfg::kSupportsSplitK ? " takes 1 to 4 parts, at most the stages of K"
                                                                     : " runs unsplit (the split tiles are the *_splitk ones)");
   }
-  const int64_t slots = max_schedule_slots(mp.l1.max_rows, mp.l1.num_experts, Cfg::kBlockN);
-  MEGAMOE_CHECK_ARG(mp.ready != nullptr && mp.consumed != nullptr && mp.ready_capacity >= slots,
-                    "sm90 MegaMoE kernel: the ready counters must hold ", slots,
-                    " slots (max_rows / BLOCK_N + E_l), got ", mp.ready_capacity);
   const auto& dev = cuda::device_info();
   const size_t smem_max = mega_smem_bytes<Cfg>(kMaxLocalExperts);
   MEGAMOE_CHECK(static_cast<int64_t>(smem_max) <= dev.smem_per_block_optin,

@@ -88,16 +88,30 @@ TileChoice choose_serial(int64_t avg) {
   return {TileId::kSerial256x128, 1, "serial: > 16 rows per expert, weight tiles reused"};
 }
 
+// The 128-row decode tiles of a launch (est.active experts) and the CTA slots they run on.
+struct DecodeTiles {
+  int64_t tiles, slots;
+};
+DecodeTiles decode_tiles(const TileQuery& q, const RowEstimate& est) {
+  return {est.active * ((q.m_rows + kDecode128Rows - 1) / kDecode128Rows),
+          static_cast<int64_t>(q.sm_count) * kDecodeCtasPerSm};
+}
+
+// The K parts of split_tile for those tiles where they would leave CTA slots idle and the query's
+// split-K workspace holds them; 1: unsplit.
+int decode_split_parts(const TileQuery& q, const DecodeTiles& d, TileId split_tile) {
+  const int parts = split_k_parts(d.tiles, d.slots, k_stages(split_tile, q.k));
+  const bool fits = q.split_allowed && parts > 1 && d.tiles <= q.split_counters_capacity &&
+                    d.tiles * parts * tile_config(split_tile).split_unit_floats() <=
+                        q.split_partial_floats;
+  return fits ? parts : 1;
+}
+
 TileChoice choose_decode(const TileQuery& q, const RowEstimate& est) {
-  const int64_t slots = static_cast<int64_t>(q.sm_count) * kDecodeCtasPerSm;
-  const int64_t tiles =
-      est.active * ((q.m_rows + kDecode128Rows - 1) / kDecode128Rows);  // of the 128-row tiles
+  const auto [tiles, slots] = decode_tiles(q, est);
   const TileId split_tile = fit_k(kSplitTile, q.k);
-  const int parts = split_k_parts(tiles, slots, k_stages(split_tile, q.k));
-  const bool split = q.split_allowed && parts > 1 && tiles <= q.split_counters_capacity &&
-                     tiles * parts * tile_config(split_tile).split_unit_floats() <=
-                         q.split_partial_floats;
-  if (split) return {split_tile, parts, "decode: few tiles, K split to fill the idle CTA slots"};
+  const int parts = decode_split_parts(q, {tiles, slots}, split_tile);
+  if (parts > 1) return {split_tile, parts, "decode: few tiles, K split to fill the idle CTA slots"};
   if (tiles * kDecodeFillDen < slots * kDecodeFillNum) {
     return {TileId::kDecode64x16, 1, "decode: 128-row tiles would leave over 1/4 of the slots idle"};
   }
@@ -176,14 +190,9 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
   const RowEstimate est = estimate_rows(l1.rows_hint, l1.max_rows, l1.num_experts);
   if (est.avg > kDecodeMaxAvgRows) return {false, TileId::kDecode128x16K2Warp, 1, 1, "prefill: chained"};
   // L1 split as choose_decode would split it on its own (L2 waits for it anyway).
-  const int64_t slots = static_cast<int64_t>(l1.sm_count) * kDecodeCtasPerSm;
-  const int64_t tiles = est.active * ((l1.m_rows + kDecode128Rows - 1) / kDecode128Rows);
   const TileId split_tile = fit_k(fit_k(kSplitTile, l1.k), l2_k);
-  const int parts = split_k_parts(tiles, slots, k_stages(split_tile, l1.k));
-  if (l1.split_allowed && parts > 1 && tiles <= l1.split_counters_capacity &&
-      tiles * parts * tile_config(split_tile).split_unit_floats() <= l1.split_partial_floats) {
-    return {true, split_tile, parts, 1, "mega: few L1 tiles, L1 split in K"};
-  }
+  const int parts = decode_split_parts(l1, decode_tiles(l1, est), split_tile);
+  if (parts > 1) return {true, split_tile, parts, 1, "mega: few L1 tiles, L1 split in K"};
   const TileId base = est.avg <= kDecode8MaxAvgRows ? TileId::kDecode128x8K4Warp : TileId::kDecode128x16K2Warp;
   const TileId tile = fit_k(fit_k(base, l1.k), l2_k);
   return {true, tile, 1, 1, est.avg <= kDecode8MaxAvgRows ? "mega: <= 4 rows per expert, 128 x 8 tiles"
