@@ -27,11 +27,14 @@ for order in "${names[*]}" "${reversed[*]}"; do
   pass=$((pass + 1))
 done
 python3 - "$OUT" "${names[@]}" <<'EOF' | tee "$OUT/layer_ab.txt"
-import json, sys, glob
+import json, os, sys
 out, names = sys.argv[1], sys.argv[2:]
 mean = {}
 for n in names:
-    for f in glob.glob(f"{out}/layer_ab_{n}_*.jsonl"):
+    # The exact names: a glob such as layer_ab_mega_* would also take mega_old's runs.
+    for f in [f"{out}/layer_ab_{n}_{p}.jsonl" for p in (1, 2)]:
+        if not os.path.exists(f):
+            continue
         for line in open(f):
             r = json.loads(line)
             if r.get("record") != "layer":

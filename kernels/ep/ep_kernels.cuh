@@ -278,7 +278,7 @@ constexpr int kReturnThreads = 256;
 constexpr int kReturnWarps = kReturnThreads / 32;
 
 // One warp per computed row (grid-stride): out[r] (bf16 [H]) to the combine slot t*K + k of the
-// row's source rank. The last CTA publishes return_sig on every rank, then waits for every
+// row's source rank (none with out == nullptr: the MegaMoE kernel wrote them). The last CTA publishes return_sig on every rank, then waits for every
 // rank's return_sig of this call; only then may the combine launch (PDL): its CTAs must not sit
 // on the GPU while a rank it waits for still needs room to run.
 __global__ void __launch_bounds__(kReturnThreads)
@@ -289,7 +289,9 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
   const WindowLayout& L = p.layout;
   const int lane = threadIdx.x % 32;
   const int64_t K = L.top_k, H = L.hidden;
-  const int64_t rows = __ldg(row_offsets + p.num_local);
+  // out == nullptr: the MegaMoE kernel wrote the rows to their combine slots already (and
+  // fenced them at system scope); only the signals remain.
+  const int64_t rows = out != nullptr ? __ldg(row_offsets + p.num_local) : 0;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kReturnWarps + threadIdx.x / 32; r < rows;
        r += static_cast<int64_t>(gridDim.x) * kReturnWarps) {
     const int64_t place = __ldg(row_slot + r);

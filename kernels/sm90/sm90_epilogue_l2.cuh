@@ -73,6 +73,37 @@ __device__ __forceinline__ void epilogue_l2_staged(const GemmParams& p, const Ti
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // the staging area is reused next
 }
 
+// One half (channel n) of a thread's accumulator fragment of an m64 x N block (N <= 128) to
+// row_ptr(row)[n]: epilogue_l2's stores, with the row's destination chosen by the caller (l2.out
+// in the GEMM kernel; the MegaMoE kernel under expert parallelism: the source rank's combine slot).
+template <class Cfg, class RowPtr>
+__device__ __forceinline__ void epilogue_l2_half(const GemmParams& p, const TileInfo& tile,
+                                                 const float (&acc)[Cfg::kBlockN / 2], int half,
+                                                 int n, float bias, int tid, RowPtr&& row_ptr) {
+  const int t = tid % 4;
+#pragma unroll
+  for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
+    if (8 * i < tile.num_rows) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = 8 * i + 2 * t + h;
+        if (col < tile.num_rows) {
+          const int64_t row = tile.row0 + col;
+          float v = acc[4 * i + 2 * half + h];
+          if (p.bias != nullptr) v += __ldg(p.row_weights + row) * bias;
+          row_ptr(row)[n] = bf16_from_f32(v);
+        }
+      }
+    }
+  }
+}
+
+// The bias of channel n (0 without one), as epilogue_l2 adds it (times the row weight).
+__device__ __forceinline__ float l2_bias(const GemmParams& p, const TileInfo& tile, int n) {
+  return p.bias != nullptr ? bf16_to_f32(p.bias[static_cast<int64_t>(tile.expert) * p.m_rows + n])
+                           : 0.0f;
+}
+
 template <class Cfg>
 __device__ __forceinline__ void epilogue_l2(const GemmParams& p, const TileInfo& tile, int mblk,
                                             const float (&acc)[Cfg::kBlockN / 2], int tid) {
@@ -81,9 +112,7 @@ __device__ __forceinline__ void epilogue_l2(const GemmParams& p, const TileInfo&
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int n = mblk * sm90_layout::kBlockRows + warp * 16 + g + 8 * half;
-    const float bias = p.bias != nullptr
-                           ? bf16_to_f32(p.bias[static_cast<int64_t>(tile.expert) * H + n])
-                           : 0.0f;
+    const float bias = l2_bias(p, tile, n);
     if constexpr (Cfg::kBlockN > 128) {
       // NOTES: one 64-bit base per half and 32-bit column offsets col * H, with H through an
       // opaque move: otherwise the compiler hoists every col * H (loop-invariant) out of the
@@ -107,21 +136,8 @@ __device__ __forceinline__ void epilogue_l2(const GemmParams& p, const TileInfo&
         }
       }
     } else {
-#pragma unroll
-      for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
-        if (8 * i < tile.num_rows) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int col = 8 * i + 2 * t + h;
-            if (col < tile.num_rows) {
-              const int64_t row = tile.row0 + col;
-              float v = acc[4 * i + 2 * half + h];
-              if (p.bias != nullptr) v += __ldg(p.row_weights + row) * bias;
-              p.out[row * H + n] = bf16_from_f32(v);
-            }
-          }
-        }
-      }
+      epilogue_l2_half<Cfg>(p, tile, acc, half, n, bias, tid,
+                            [&](int64_t row) { return p.out + row * H; });
     }
   }
 }

@@ -82,7 +82,8 @@ void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offse
 
 void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,
                    const int32_t* row_slot, cudaStream_t stream, bool programmatic) {
-  const int64_t expected_rows = std::max<int64_t>(1, int64_t{p.num_tokens} * p.layout.top_k);
+  const int64_t expected_rows =
+      out == nullptr ? 1 : std::max<int64_t>(1, int64_t{p.num_tokens} * p.layout.top_k);
   cuda::launch(ep_return_kernel, grid_for_warps(expected_rows, kReturnWarps), kReturnThreads, 0,
                stream, programmatic, p, out, row_offsets, row_slot);
 }

@@ -40,7 +40,8 @@ void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offse
 // layer construction so that forward() makes none).
 void configure_dispatch(int64_t num_local);
 
-// Returns the computed rows to their sources and waits for every rank's.
+// Returns the computed rows to their sources and waits for every rank's. out == nullptr: the rows
+// are there already (the MegaMoE kernel's EP return, MegaTail): only the signals and the wait.
 void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,
                    const int32_t* row_slot, cudaStream_t stream, bool programmatic);
 

@@ -265,9 +265,11 @@ TEST(Ep, MissingRankTimesOut) {
 
 // The R ranks' calls captured in one CUDA graph (a fork/join over their streams) and replayed
 // equal eager calls; the call counter lives on the device, so replays keep the protocol going.
-TEST(Ep, GraphCaptureReplayEqualsEager) {
-  MEGAMOE_REQUIRE_SM90();
-  const LayerConfig c = ep_config("small", 32, "auto");
+// mega: the MegaMoE kernel (its rows straight into the sources' combine slots, the return only
+// signalling) where its policy takes the call.
+void expect_graph_replay_equals_eager(bool mega) {
+  SCOPED_TRACE(mega ? "MegaMoE kernel" : "chain");
+  const LayerConfig c = ep_config("small", 32, "auto", Precision::kExact, mega);
   const int ranks = 4;
   const EpInputs a = make_ep_inputs(c, {32, 5, 0, 17}, Routing::kSkewed, 1000);
   const EpInputs b = make_ep_inputs(c, {32, 5, 0, 17}, Routing::kUniform, 1001);
@@ -303,6 +305,12 @@ TEST(Ep, GraphCaptureReplayEqualsEager) {
   }
   for (int r = 0; r < ranks; ++r) EXPECT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
   for (auto& e : events) cudaEventDestroy(e);
+}
+
+TEST(Ep, GraphCaptureReplayEqualsEager) {
+  MEGAMOE_REQUIRE_SM90();
+  expect_graph_replay_equals_eager(false);
+  expect_graph_replay_equals_eager(true);
 }
 
 // Invalid expert ids on one rank are reported by that rank (token and slot), count as empty,
