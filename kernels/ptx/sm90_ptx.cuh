@@ -194,14 +194,6 @@ __device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* p) {
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-// Counts one arrival and returns the count before it: a release of the stores ordered before it
-// (as red_release_gpu_add) and, for the last arrival, an acquire of the others' (the MegaMoE
-// kernel's combine counters: the last of a token's slots to arrive sums them).
-__device__ __forceinline__ int32_t atom_add_acq_rel_gpu(int32_t* p, int32_t v) {
-  int32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
 // Orders this thread's generic-proxy view of global memory before its later async-proxy
 // operations (TMA reads of rows that other CTAs wrote with ordinary stores).
 __device__ __forceinline__ void fence_proxy_async_global() {

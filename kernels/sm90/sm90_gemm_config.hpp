@@ -97,32 +97,17 @@ struct MegaParams {
   int32_t* ready = nullptr;      // [ready_capacity]: finished L1 tiles per slot; zero, left zero
   int32_t* consumed = nullptr;   // [ready_capacity]: L2 tiles past their wait per slot; the same
   int ready_capacity = 0;        // >= max_schedule_slots(max_rows, E_l, BLOCK_N)
-  // The gather in the kernel (gather_xq != nullptr): one gather unit per slot before L1's units
-  // writes the slot's act rows from the token rows (sm90_gather.cuh's conversion; token row
-  // row_slot[r] / top_k) and releases gathered[slot]; the slot's L1 tiles wait for it.
-  const uint8_t* gather_xq = nullptr;          // [tokens][l1.k] E4M3
-  const uint8_t* gather_xsf = nullptr;         // [tokens][l1.k / 32] UE8M0
-  uint16_t* act = nullptr;                     // [rows][l1.k]: L1's B operand (tmap_act)
-  int32_t* gathered = nullptr;                 // [ready_capacity]: zero, left zero
-  // The combine in the kernel (one GPU; y != nullptr): y[t] of numerics.md 6 from L2's rows
-  // (l2.out); each L2 tile counts its rows on their (token, L2 m-tile) counters, and the CTAs at
-  // exit take the (token, m-tile) items from combine_items, wait for the count and sum.
-  uint16_t* y = nullptr;                       // [num_tokens][hidden]
-  const int32_t* slot_to_row = nullptr;        // [num_tokens * top_k], -1: no row
-  const int32_t* row_slot = nullptr;           // [rows]: the row's slot t * top_k + k (the
-                                               // gather, the combine, the EP return)
-  int32_t* combine_counters = nullptr;         // [num_tokens * L2 m-tiles]: zero, left zero
-  int32_t* combine_items = nullptr;            // [2]: next item, CTAs out; zero, left zero
-  int32_t num_tokens = 0;
-  int32_t top_k = 0;
-  // Expert parallelism (ep_size > 0): L2's rows go straight to their source rank's
-  // combine slot instead of l2.out (what ep_return would copy): row r, row_slot[r] = (s * t_max +
-  // t) * top_k + k, to ep_peers[s] + ep_combine_offset + ((t * top_k + k) * hidden) * 2 bytes.
-  static constexpr int kMaxPeers = 64;        // ep::kMaxRanks
+  // Expert parallelism (ep_size > 0): L2's rows go straight to their source rank's combine slot
+  // instead of l2.out (the copy ep_return makes after the chain): row r, whose place in the
+  // received slots is row_slot[r] = (s * ep_t_max + t) * top_k + k (the EP dispatch's), to
+  // ep_peers[s] + ep_combine_offset + ((t * top_k + k) * hidden) * 2 bytes.
+  static constexpr int kMaxPeers = 64;  // ep::kMaxRanks
   uint8_t* ep_peers[kMaxPeers] = {};
   int64_t ep_combine_offset = 0;
   int64_t ep_t_max = 0;
-  int32_t ep_size = 0;                        // ranks; 0: L2's rows to l2.out
+  const int32_t* row_slot = nullptr;
+  int32_t top_k = 0;
+  int32_t ep_size = 0;                  // ranks; 0: L2's rows to l2.out
 };
 
 // The launch gate's test: `rows` routed rows over `hits` experts lie in (p.gate_min_avg,

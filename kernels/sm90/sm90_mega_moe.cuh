@@ -22,7 +22,8 @@
 //                    consumed counter, and the slot's last L2 tile sets both counters back to
 //                    zero (the next call finds them zero).
 //   math warpgroup:  the mainloop of the tile's GEMM, then its epilogue (L1: activation, routing
-//                    weight, requantization to h_q / h_sf / h_act; L2: out). After an L1 tile, a
+//                    weight, requantization to h_q / h_sf / h_act; L2: out, or under expert
+//                    parallelism the source rank's combine slot of each row). After an L1 tile, a
 //                    warpgroup barrier, and one thread adds 1 to the slot's ready counter with
 //                    release semantics (red.release.gpu): the rows' stores are published.
 // Numerics: every output is the same mainloop over the same operands as the chained launch of
@@ -31,7 +32,6 @@
 
 #include <cstdint>
 
-#include "sm90/sm90_gather_chunk.cuh"
 #include "sm90/sm90_grouped_gemm_bf16_mxfp4.cuh"
 #include "sm90/sm90_tile_schedule.hpp"
 
@@ -66,117 +66,11 @@ __device__ __forceinline__ void wait_count(const int32_t* counter, int target) {
   }
 }
 
-// The combine's sum of numerics.md 6 over 8 channels (c8: the 16-byte chunk) of token t, from
-// the rows of its slots in ascending k, the same FP32 adds in the same order as
-// sm90_combine_topk_bf16_kernel (so the same bits). The rows were written by other CTAs of this
-// grid: loaded through L2 (ld.global.cg), after the acquire that saw their arrivals.
-__device__ __forceinline__ void mega_combine_chunk(const MegaParams& mp, int t, int c8) {
-  const int K = mp.top_k;
-  const int64_t H = mp.l2.m_rows;
-  const int32_t* rows = mp.slot_to_row + static_cast<int64_t>(t) * K;
-  float acc[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-  constexpr int kBatch = 8;  // rows loaded before any is added
-  for (int k0 = 0; k0 < K; k0 += kBatch) {
-    int32_t r[kBatch];
-    uint4 v[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) r[b] = k0 + b < K ? __ldg(rows + k0 + b) : -1;
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b)
-      v[b] = r[b] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(mp.l2.out + r[b] * H) + c8)
-                       : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      if (r[b] < 0) continue;
-      const uint32_t words[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        acc[2 * j] += bf16_to_f32(static_cast<uint16_t>(words[j] & 0xFFFFu));
-        acc[2 * j + 1] += bf16_to_f32(static_cast<uint16_t>(words[j] >> 16));
-      }
-    }
-  }
-  uint32_t packed[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    packed[j] = static_cast<uint32_t>(bf16_from_f32(acc[2 * j])) |
-                (static_cast<uint32_t>(bf16_from_f32(acc[2 * j + 1])) << 16);
-  reinterpret_cast<uint4*>(mp.y + t * H)[c8] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-}
-
-// The valid slots of token t (rows >= 0 in slot_to_row): the arrivals its counters expect.
-__device__ __forceinline__ int mega_valid_slots(const MegaParams& mp, int t) {
-  int valid = 0;
-  for (int k = 0; k < mp.top_k; ++k)
-    valid += __ldg(mp.slot_to_row + static_cast<int64_t>(t) * mp.top_k + k) >= 0;
-  return valid;
-}
-
-// After an L2 tile's epilogue (one GPU, the combine in the kernel): each of the tile's rows counts
-// itself on its token's counter for the tile's m-tile, a release of the warpgroup's stores of out
-// (ordered by the barrier). Fire and forget: the warpgroup goes on with its next unit.
-template <class Cfg>
-__device__ __forceinline__ void mega_combine_arrive(const MegaParams& mp, const TileInfo& tile,
-                                                    int m_tiles2, int tid) {
-  ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);  // the tile's out rows are stored
-  if (tid < tile.num_rows) {
-    const int t = __ldg(mp.row_slot + tile.row0 + tid) / mp.top_k;
-    ptx::red_release_gpu_add(mp.combine_counters + static_cast<int64_t>(t) * m_tiles2 +
-                                 tile.m_block0 / Cfg::kMBlocksPerCta,
-                             1);
-  }
-}
-
-// The combine's items, (token, L2 m-tile) = counter index t * m_tiles2 + mt, run by the math
-// warpgroups at exit: a CTA whose producer found no unit left knows every unit of the call is
-// held by a running CTA, so every arrival it waits for will come. Items are taken from a counter
-// 8 at a time (16 threads each, 16 bytes of y per thread): wait until the token's valid slots
-// have all arrived, sum them (mega_combine_chunk), reset the counter; a token without a valid
-// slot is zeroed. The last CTA out resets the item counter.
-template <class Cfg>
-__device__ __forceinline__ void mega_combine_exit(const MegaParams& mp, int m_tiles2,
-                                                  int32_t* s_base, int tid) {
-  constexpr int kLanes = Cfg::kBlockM / 8;  // 16-byte chunks of an m-tile
-  constexpr int kGroups = Cfg::kWarpgroupThreads / kLanes;
-  static_assert(kLanes == 16 && kGroups == 8, "two items per warp, 16 lanes each");
-  const int64_t H = mp.l2.m_rows;
-  const int total = mp.num_tokens * m_tiles2;
-  const int group = tid / kLanes, lane = tid % kLanes;
-  const uint32_t half_mask = 0xFFFFu << (16 * (group % 2));
-  for (;;) {
-    if (tid == 0) *s_base = atomicAdd(mp.combine_items, kGroups);
-    ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
-    const int base = *s_base;
-    ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);  // read by all before the next write
-    if (base >= total) break;
-    const int item = base + group;
-    if (item >= total) continue;
-    const int t = item / m_tiles2, mt = item % m_tiles2;
-    const int valid = mega_valid_slots(mp, t);
-    if (valid > 0 && lane == 0) wait_count(mp.combine_counters + item, valid);
-    __syncwarp(half_mask);  // lane 0's acquire before the others' loads
-    const int64_t ch = static_cast<int64_t>(mt) * Cfg::kBlockM + 8 * lane;
-    if (ch < H) {
-      if (valid > 0) {
-        mega_combine_chunk(mp, t, static_cast<int>(ch / 8));
-      } else {
-        reinterpret_cast<uint4*>(mp.y + t * H + ch)[0] = make_uint4(0, 0, 0, 0);
-      }
-    }
-    if (valid > 0 && lane == 0) mp.combine_counters[item] = 0;  // all of them are in
-  }
-  if (tid == 0 && atomicAdd(mp.combine_items + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-    mp.combine_items[0] = 0;  // every CTA has taken its last item
-    mp.combine_items[1] = 0;
-  }
-}
-
-// Row r's destination under expert parallelism: its source rank's combine slot t * K + k.
+// Row r's destination under expert parallelism (MegaParams::ep_size > 0): its source rank's
+// combine slot t * K + k, from the row's place (s * t_max + t) * K + k in row_slot.
 __device__ __forceinline__ uint16_t* mega_ep_row(const MegaParams& mp, int64_t r) {
   const int64_t K = mp.top_k;
-  const int64_t place = __ldg(mp.row_slot + r);  // (s * t_max + t) * K + k
+  const int64_t place = __ldg(mp.row_slot + r);
   const int64_t token = place / K;
   const int s = static_cast<int>(token / mp.ep_t_max);
   const int64_t slot = (token - s * mp.ep_t_max) * K + place % K;
@@ -224,9 +118,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   // kernel. No weights are: every unit, the first one included, is taken from the unit counter,
   // which is only valid after the wait (a unit fixed per CTA would be held by a CTA that may not
   // be resident while the others wait on it: deadlock).
-  // With the gather in the kernel the previous kernel is the dispatch, which writes row_offsets:
-  // the schedule then waits too.
-  const bool prefetch = mp.l1.prefetch_before_wait != 0 && mp.gather_xq == nullptr;
+  const bool prefetch = mp.l1.prefetch_before_wait != 0;
   if (!prefetch) ptx::grid_dependency_wait();
   build_schedule<Cfg::kThreads, Cfg::kBlockN>(mp.l1.row_offsets, num_experts, mp.l1.max_rows,
                                               m_tiles1, s_offsets, s_prefix1);
@@ -253,11 +145,8 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       splits2 = max(mp.l2.k_splits, 1);
     }
   }
-  // Units: the gather units (one per slot, where the kernel gathers), then the GEMMs' units;
-  // tile_of / part_of / k_range take a GEMM unit g = u - num_gather.
-  const int num_gather = mp.gather_xq != nullptr ? ms.num_slots() : 0;
   const int l1_units = ms.l1_tiles() * splits1;
-  const int num_units = num_gather + l1_units + ms.l2.total_tiles() * splits2;
+  const int num_units = l1_units + ms.l2.total_tiles() * splits2;
   // The unit's tile (a MegaSchedule index), K part and parts.
   auto tile_of = [&](int u) {
     return u < l1_units ? u / splits1 : (u - l1_units) / splits2 + ms.l1_tiles();
@@ -274,7 +163,6 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   if (ms.num_slots() > mp.ready_capacity) __trap();
   // The unit each stage starts (written before the stage's first arrival; -1: no more units).
   __shared__ int32_t s_stage_unit[Cfg::kNumStages];
-  __shared__ int32_t s_combine_base;  // mega_combine_exit's items
 
   if (threadIdx.x >= Cfg::kWarpgroupThreads) {
     // ================================ producer ================================
@@ -284,11 +172,11 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     int stage = 0;
     uint32_t phase = 0;
     int ahead = 0;  // stages from (stage, phase) on whose weight copies are already issued
-    // The weight copies of GEMM unit u's k-blocks kb.. into stage s (once the math has freed
-    // it); `first`: the unit's first stage, which names it to the math warpgroup.
+    // The weight copies of unit u's k-blocks kb.. into stage s (once the math has freed it);
+    // `first`: the unit's first stage, which names it to the math warpgroup.
     auto copy_weights = [&](int u, const TileInfo& tile, int kb, bool first, int s, uint32_t ph) {
       ptx::mbar_wait(&empty_bars[s], ph ^ 1u);
-      if (first) s_stage_unit[s] = num_gather + u;  // released by the stage's arrival
+      if (first) s_stage_unit[s] = u;  // released by the stage's arrival
       if (u < l1_units) {
         issue_weight_stage<Cfg>(mp.l1, tile, m_blocks1, k_blocks1, kb, smem_a, smem_sf, full_bars,
                                 s, policy);
@@ -315,30 +203,10 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     if (prefetch) ptx::grid_dependency_wait();
     // Every read of the previous kernels' outputs and of the counters comes after the wait.
     ptx::launch_dependents();
-    int next = atomicAdd(mp.l1.unit_counter, 1);
-    while (next < num_units) {
-      if (next < num_gather) {
-        // A gather unit: a stage without data names it to the math warpgroup, which gathers.
-        ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
-        s_stage_unit[stage] = next;
-        ptx::mbar_arrive(&full_bars[stage]);
-        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
-        next = atomicAdd(mp.l1.unit_counter, 1);
-        continue;
-      }
-      const int u = next - num_gather;  // the GEMM unit
+    int u = atomicAdd(mp.l1.unit_counter, 1);
+    while (u < num_units) {
       const bool l1 = u < l1_units;
       const TileInfo tile = ms.get(tile_of(u));
-      if (l1 && num_gather > 0) {
-        // An L1 tile reads its slot's act rows, written by the slot's gather unit: as an L2
-        // tile waits for its slot's L1 tiles (below).
-        const int slot = ms.slot(tile);
-        if (ptx::ld_acquire_gpu(mp.gathered + slot) < 1) {
-          copy_weights_ahead(u, tile, Cfg::kNumStages);
-          wait_count(mp.gathered + slot, 1);
-        }
-        ptx::fence_proxy_async_global();
-      }
       if (!l1) {
         // An L2 tile reads the h rows of its slot: every L1 tile of the slot must be done. Its
         // weights do not depend on them: where the slot is not ready, the pipeline's depth of
@@ -353,7 +221,6 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
           // The slot's last L2 tile past its wait: no tile of this call reads either counter again.
           mp.ready[slot] = 0;
           mp.consumed[slot] = 0;
-          if (num_gather > 0) mp.gathered[slot] = 0;  // every L1 tile of the slot is past it
         }
       }
       const CUtensorMap* map = l1 ? &tmap_act : &tmap_h;
@@ -372,7 +239,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         }
         if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
       }
-      next = atomicAdd(mp.l1.unit_counter, 1);
+      u = atomicAdd(mp.l1.unit_counter, 1);
     }
     // No more units: tell the math warpgroup, count this CTA out; the last one sets the unit
     // counters back to zero.
@@ -396,26 +263,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       ptx::mbar_wait(&full_bars[stage], phase);
       return static_cast<int>(s_stage_unit[stage]);
     };
-    for (int next = next_unit(); next >= 0 && next < num_units; next = next_unit()) {
-      if (next < num_gather) {
-        // Gather unit: the slot's act rows, then the release its L1 tiles acquire, then the
-        // (dataless) stage back to the producer.
-        const TileInfo rows = ms.slot_rows(next);
-        const uint32_t H = static_cast<uint32_t>(mp.l1.k);
-        const int chunks = static_cast<int>(H / kGatherVec);
-        for (int i = tid; i < rows.num_rows * chunks; i += Cfg::kWarpgroupThreads) {
-          const int r = rows.row0 + i / chunks;
-          const uint32_t t = static_cast<uint32_t>(__ldg(mp.row_slot + r)) / mp.top_k;
-          gather_chunk(mp.gather_xq, mp.gather_xsf, t, H, static_cast<uint32_t>(i % chunks),
-                       mp.act + static_cast<int64_t>(r) * H);
-        }
-        ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
-        if (tid == 0) ptx::red_release_gpu_add(mp.gathered + next, 1);
-        ptx::mbar_arrive(&empty_bars[stage]);
-        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
-        continue;
-      }
-      const int u = next - num_gather;
+    for (int u = next_unit(); u >= 0 && u < num_units; u = next_unit()) {
       const bool l1 = u < l1_units;
       const TileInfo tile = ms.get(tile_of(u));
       int kb_begin, kb_end;
@@ -452,7 +300,8 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
         if (tid == 0) ptx::red_release_gpu_add(mp.ready + ms.slot(tile), 1);
       } else if (mp.ep_size > 0) {
-        // Expert parallelism: each row straight to its source rank's combine slot.
+        // Expert parallelism: each row straight to its source rank's combine slot (the copy
+        // ep_return makes after the chain).
         const int warp = tid / 32, g = (tid % 32) / 4;
 #pragma unroll
         for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
@@ -470,16 +319,11 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
           if (sub >= tile.num_m_blocks) continue;
           epilogue_l2<Cfg>(mp.l2, tile, tile.m_block0 + sub, acc[sub], tid);
         }
-        if (mp.y != nullptr) mega_combine_arrive<Cfg>(mp, tile, m_tiles2, tid);
       }
     }
-    if (mp.ep_size > 0) {
-      // The rows written to the peers' windows are visible system-wide before this grid ends (the
-      // return kernel publishes them to the peers after its grid-dependency wait).
-      __threadfence_system();
-    } else if (mp.y != nullptr) {
-      mega_combine_exit<Cfg>(mp, m_tiles2, &s_combine_base, tid);
-    }
+    // The rows written to the peers' windows are visible system-wide before this grid ends (the
+    // return kernel publishes them after its grid-dependency wait).
+    if (mp.ep_size > 0) __threadfence_system();
   }
 }
 

@@ -88,16 +88,6 @@ struct MegaSchedule {
   MEGAMOE_SCHEDULE_FN int slot(const TileInfo& tile) const {
     return l1.prefix[tile.expert] / l1.m_tiles + (tile.row0 - l1.offsets[tile.expert]) / kBlockN;
   }
-  // The rows of slot s (expert, row0, num_rows; the m-blocks of its first L1 m-tile): the
-  // inverse of slot(), for the MegaMoE kernel's gather units.
-  MEGAMOE_SCHEDULE_FN TileInfo slot_rows(int s) const {
-    int lo = 0, hi = l1.num_experts;  // the last expert whose first slot is <= s
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (l1.prefix[mid] / l1.m_tiles <= s) lo = mid; else hi = mid;
-    }
-    return l1.get(l1.prefix[lo] + s - l1.prefix[lo] / l1.m_tiles);
-  }
   // Slots of this call (the ready counters it uses): every expert's n-tiles.
   MEGAMOE_SCHEDULE_FN int num_slots() const { return l1.total_tiles() / l1.m_tiles; }
   // The count a slot's ready counter reaches when every L1 tile of its rows is done.

@@ -87,15 +87,11 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
     v.mega.capacity = mega_counters(rows, static_cast<int>(c.num_local_experts()));
     v.mega.ready = carver.take<int32_t>(v.mega.capacity);
     v.mega.consumed = carver.take<int32_t>(v.mega.capacity);
-    v.mega.gathered = carver.take<int32_t>(v.mega.capacity);
     const int sms = cuda::device_info().sm_count;
     v.mega.split_partial_floats = mega_split_partial_floats(sms);
     v.mega.split_partials = carver.take<float>(v.mega.split_partial_floats);
     v.mega.split_counters_capacity = mega_split_counters(sms);
     v.mega.split_counters = carver.take<int32_t>(v.mega.split_counters_capacity);
-    v.mega.combine_capacity = mega_combine_counters(t_max, h);  // the combine in the kernel
-    v.mega.combine_counters = carver.take<int32_t>(v.mega.combine_capacity);
-    v.mega.combine_items = carver.take<int32_t>(2);
   }
   *bytes = carver.bytes();
   return v;
@@ -391,34 +387,19 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   // FP8 mode (config.precision, per call: LayerConfig::fp8_for_tokens): L1's and L2's token rows
   // are E4M3 rebased per row (launch_rebase_rows_e4m3) instead of BF16.
   const bool fp8 = config_.fp8_for_tokens(num_tokens);
-  // The MegaMoE kernel (config.sm90.mega_kernel) runs the gather, both GEMMs and the combine
-  // where its policy takes the call. Stage prefixes (megamoe bench): "gather" is then the gather
-  // kernel alone, "l1" the fused kernel without the combine, "l2" ~0.
-  const RowsHint rows = rows_hint(config_, num_tokens, slots);
-  bool fused = false;
-  if (!done(Stage::kGather)) {
-    MegaTail tail;
-    tail.x_q = view_.x_q;
-    tail.x_sf = view_.x_sf;
-    tail.row_slot = view_.row_slot;
-    tail.top_k = static_cast<int>(s.top_k);
-    if (!done(Stage::kL2)) {
-      tail.y = y;
-      tail.slot_to_row = view_.slot_to_row;
-      tail.num_tokens = num_tokens;
-    }
-    fused = launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream, tail);
+  if (fp8) {
+    launch_rebase_rows_e4m3(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local,
+                            s.top_k, s.hidden, slots, view_.act_fp8, view_.act_factor, stream, pdl);
+  } else {
+    launch_gather(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local, s.top_k,
+                  s.hidden, slots, view_.act, stream, pdl);
   }
-  if (!fused) {
-    if (fp8) {
-      launch_rebase_rows_e4m3(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local,
-                              s.top_k, s.hidden, slots, view_.act_fp8, view_.act_factor, stream,
-                              pdl);
-    } else {
-      launch_gather(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local, s.top_k,
-                    s.hidden, slots, view_.act, stream, pdl);
-    }
-    if (done(Stage::kGather)) return;
+  if (done(Stage::kGather)) return;
+
+  // The MegaMoE kernel (config.sm90.mega_kernel) runs both GEMMs where its policy takes the
+  // call; the stage prefix "l1" then times both.
+  const RowsHint rows = rows_hint(config_, num_tokens, slots);
+  if (!launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream, MegaTail{})) {
     launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
     if (fp8) {
       launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
@@ -429,7 +410,7 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   }
   if (done(Stage::kL2)) return;
 
-  if (!fused) launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream, pdl);
+  launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream, pdl);
   if (config_.sync_error_check) {
     MEGAMOE_CHECK_ARG(!capturing(stream), "forward: config.sync_error_check waits for every call, "
                       "which a stream under CUDA-graph capture cannot; turn it off to capture");
@@ -443,8 +424,8 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
 //   ep send         rows to the owners' recv_xq/recv_sf, ids and weights to every rank (calls
 //                   of up to kFusedSendMaxTokens tokens: done inside ep dispatch)
 //   ep dispatch     wait for every rank's tokens; row lists of the received slots
-//   gather, L1, L2  on the received rows (the one-GPU kernels; or the MegaMoE kernel, which
-//                   also writes each row to its source's combine slot)
+//   gather, L1, L2  on the received rows (the one-GPU kernels; the MegaMoE kernel, where it runs
+//                   L1 and L2, also writes each row to its source's combine slot)
 //   ep return       each row to its source's combine slot t*K + k (unless the MegaMoE kernel
 //                   did); wait for every rank's rows
 //   combine         y from this rank's combine slots, ascending k (the one-GPU kernel)
@@ -481,12 +462,19 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   // does on the R ranks' tokens together (LayerConfig::fp8_min_rows_per_expert).
   const bool fp8 = config_.fp8_for_tokens(t * g.size);
   const int64_t grid_rows = std::max<int64_t>(1, t * s.top_k);
+  if (fp8) {
+    launch_rebase_rows_e4m3(window + w.recv_xq, window + w.recv_sf, view_.row_offsets,
+                            view_.row_slot, num_local, s.top_k, s.hidden, max_rows_, view_.act_fp8,
+                            view_.act_factor, stream, pdl, grid_rows);
+  } else {
+    launch_gather(window + w.recv_xq, window + w.recv_sf, view_.row_offsets, view_.row_slot,
+                  num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl, grid_rows);
+  }
+
   const RowsHint rows = ep_rows_hint(config_, t, g.size, max_rows_);
-  // The MegaMoE kernel gathers the received rows itself and writes L2's rows straight into their
-  // sources' combine slots; the return then only signals.
+  // The MegaMoE kernel writes L2's rows straight into their sources' combine slots; the return
+  // then only signals.
   MegaTail tail;
-  tail.x_q = window + w.recv_xq;
-  tail.x_sf = window + w.recv_sf;
   tail.ep_size = g.size;
   tail.ep_peers = p.peers;
   tail.ep_combine_offset = w.combine;
@@ -495,14 +483,6 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   tail.top_k = static_cast<int>(s.top_k);
   const bool fused = launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream, tail);
   if (!fused) {
-    if (fp8) {
-      launch_rebase_rows_e4m3(window + w.recv_xq, window + w.recv_sf, view_.row_offsets,
-                              view_.row_slot, num_local, s.top_k, s.hidden, max_rows_,
-                              view_.act_fp8, view_.act_factor, stream, pdl, grid_rows);
-    } else {
-      launch_gather(window + w.recv_xq, window + w.recv_sf, view_.row_offsets, view_.row_slot,
-                    num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl, grid_rows);
-    }
     launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
     if (fp8) {
       launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,

@@ -141,8 +141,8 @@ class Sm90Layer {
   L1Args l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false) const;
   L2Args l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false) const;
   // Both GEMMs in one launch of the MegaMoE kernel where config.sm90.mega_kernel is on and its
-  // policy takes the call (launch_mega), with `tail` (the combine, or the EP return's copy);
-  // false: nothing launched, the caller chains them.
+  // policy takes the call (launch_mega), L2's rows where `tail` says (under EP: the sources'
+  // combine slots); false: nothing launched, the caller chains them.
   bool launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
                           cudaStream_t stream, const MegaTail& tail);
   void forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,

@@ -53,12 +53,6 @@ int64_t mega_split_partial_floats(int sm_count) {
          tile_config(TileId::kDecode128x16K2WarpSplitK).split_unit_floats();
 }
 
-int64_t mega_combine_counters(int64_t max_tokens, int64_t hidden) {
-  int block_m = tile_config(kMegaTiles[0]).block_m();
-  for (TileId id : kMegaTiles) block_m = std::min(block_m, tile_config(id).block_m());
-  return max_tokens * ((hidden + block_m - 1) / block_m);
-}
-
 bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream,
                  const MegaTail& tail) {
   if (a1.act_fp8 != nullptr || a2.h_fp8 != nullptr) return false;  // the FP8 mode: chained
@@ -80,9 +74,7 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
   MegaParams mp;
   mp.l1 = l1_params(a1);
   mp.l2 = l2_params(a2);
-  // No rows can exist: nothing to run, unless the tail has a y or a return to make (the chain's
-  // stages do that).
-  if (a1.max_rows == 0) return tail.y == nullptr && tail.ep_size == 0;
+  if (a1.max_rows == 0) return true;  // no rows can exist: nothing to run
   MEGAMOE_CHECK_ARG(a2.num_experts == a1.num_experts && a2.max_rows == a1.max_rows &&
                         a2.row_offsets == a1.row_offsets && a2.hidden == a1.hidden &&
                         a2.intermediate == a1.intermediate,
@@ -111,38 +103,6 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
   mp.ready = ws.ready;
   mp.consumed = ws.consumed;
   mp.ready_capacity = static_cast<int>(std::min<int64_t>(ws.capacity, INT32_MAX));
-  MEGAMOE_CHECK_ARG(tail.y == nullptr || tail.ep_size == 0,
-                    "launch_mega: the tail is either the combine (one GPU) or the EP return");
-  if (tail.y != nullptr) {
-    const int block_m = tile_config(choice.tile).block_m();
-    const int64_t need = tail.num_tokens * ((a2.hidden + block_m - 1) / block_m);
-    MEGAMOE_CHECK_ARG(tail.slot_to_row != nullptr && tail.row_slot != nullptr && tail.top_k > 0 &&
-                          tail.num_tokens > 0 && tail.num_tokens <= INT32_MAX,
-                      "launch_mega: the combine needs slot_to_row, row_slot, top_k > 0 and 0 < T");
-    MEGAMOE_CHECK_ARG(ws.combine_counters != nullptr && ws.combine_items != nullptr &&
-                          ws.combine_capacity >= need,
-                      "launch_mega: the combine needs ", need, " counters (T = ", tail.num_tokens,
-                      ", mega_combine_counters), the workspace holds ", ws.combine_capacity);
-    mp.y = tail.y;
-    mp.slot_to_row = tail.slot_to_row;
-    mp.row_slot = tail.row_slot;
-    mp.combine_counters = ws.combine_counters;
-    mp.combine_items = ws.combine_items;
-    mp.num_tokens = static_cast<int32_t>(tail.num_tokens);
-    mp.top_k = tail.top_k;
-  }
-  if (tail.x_q != nullptr) {
-    MEGAMOE_CHECK_ARG(tail.x_sf != nullptr && tail.row_slot != nullptr && tail.top_k > 0 &&
-                          ws.gathered != nullptr && a1.act != nullptr,
-                      "launch_mega: the gather needs x_sf, row_slot, top_k > 0, act and the "
-                      "workspace's gathered counters");
-    mp.gather_xq = tail.x_q;
-    mp.gather_xsf = tail.x_sf;
-    mp.act = const_cast<uint16_t*>(a1.act);  // L1's input, written by the gather units
-    mp.gathered = ws.gathered;
-    mp.row_slot = tail.row_slot;
-    mp.top_k = tail.top_k;
-  }
   if (tail.ep_size > 0) {
     MEGAMOE_CHECK_ARG(tail.ep_size <= MegaParams::kMaxPeers && tail.ep_peers != nullptr &&
                           tail.row_slot != nullptr && tail.top_k > 0 && tail.ep_t_max > 0,

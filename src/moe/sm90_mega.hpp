@@ -23,40 +23,21 @@ struct MegaWorkspace {
   int64_t split_partial_floats = 0;
   int32_t* split_counters = nullptr;
   int64_t split_counters_capacity = 0;
-  // The combine in the kernel (MegaTail::y): one counter per (token, L2 m-tile), zero-initialized
-  // once, left zero (mega_combine_counters).
-  int32_t* combine_counters = nullptr;
-  int64_t combine_capacity = 0;
-  int32_t* combine_items = nullptr;  // [2], zero-initialized once, left zero
-  // The gather in the kernel (MegaTail::x_q): one counter per slot, as ready (capacity).
-  int32_t* gathered = nullptr;
   bool empty() const { return ready == nullptr || consumed == nullptr; }
 };
 
-// What else the kernel does, each optional (docs/design.md, "The MegaMoE kernel"):
-//   x_q != nullptr: the gather in the kernel, L1's act rows (l1.act) from the token rows x_q /
-//     x_sf (E4M3, UE8M0 per 32; token row_slot[r] / top_k), as launch_gather would write them;
-//     needs MegaWorkspace::gathered. The caller launches no gather (the previous launch may be
-//     the dispatch: the kernel reads row_offsets after its grid-dependency wait).
-// and with L2's rows besides writing l2.out:
-//   y != nullptr (one GPU): the combine of numerics.md 6 in the kernel, y[t] for t < num_tokens
-//     from l2.out's rows through slot_to_row / row_slot (the dispatch's maps), bit for bit the
-//     combine kernel's; needs MegaWorkspace::combine_counters. The caller launches no combine.
-//   ep_size > 0 (expert parallelism): each row straight to its source rank's combine slot (the
-//     copy ep_return makes otherwise): ep_peers the ranks' window bases, row_slot the EP dispatch's
-//     places (s * t_max + t) * top_k + k. The caller's return then only signals.
+// Under expert parallelism (ep_size > 0), the kernel writes each of L2's rows straight into its
+// source rank's combine slot, the copy ep_return makes after the chain (the caller's return then
+// only signals, ep::launch_return with out = nullptr): ep_peers the ranks' window bases,
+// ep_combine_offset the combine region's offset in every window, row_slot the EP dispatch's
+// places (s * t_max + t) * top_k + k. Default (ep_size = 0): L2's rows to l2.out.
 struct MegaTail {
-  const uint8_t* x_q = nullptr;
-  const uint8_t* x_sf = nullptr;
-  uint16_t* y = nullptr;
-  const int32_t* slot_to_row = nullptr;
-  const int32_t* row_slot = nullptr;
-  int64_t num_tokens = 0;
-  int top_k = 0;
   int ep_size = 0;
   uint8_t* const* ep_peers = nullptr;  // [ep_size]
-  int64_t ep_combine_offset = 0;       // the combine region's offset in every window
+  int64_t ep_combine_offset = 0;
   int64_t ep_t_max = 0;
+  const int32_t* row_slot = nullptr;
+  int top_k = 0;
 };
 
 // Counters each of `ready` and `consumed` needs for a layer of max_rows rows over num_experts
@@ -65,8 +46,6 @@ int64_t mega_counters(int64_t max_rows, int num_experts);
 // The split-K workspace that covers every split choose_mega_tile makes on `sm_count` SMs.
 int64_t mega_split_counters(int sm_count);
 int64_t mega_split_partial_floats(int sm_count);
-// The combine counters for calls of up to max_tokens tokens of `hidden` channels, every tile.
-int64_t mega_combine_counters(int64_t max_tokens, int64_t hidden);
 
 #if defined(MEGAMOE_WITH_CUDA)
 // One launch of both GEMMs when choose_mega_tile picks the MegaMoE kernel for this call (the
@@ -76,7 +55,7 @@ int64_t mega_combine_counters(int64_t max_tokens, int64_t hidden);
 // l1.split_k.unit_counter is required; their split_k partials are not used: ws has the fused
 // kernel's own). l1.k_splits / l2.k_splits: 0 the policy's parts, n >= 1 n parts of each tile
 // (a split tile, ws's split workspace). Asynchronous, capturable.
-// `tail`: what else the kernel does with L2's rows (MegaTail; default: nothing).
+// `tail`: where L2's rows go under expert parallelism (MegaTail; default: l2.out).
 bool launch_mega(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws, cudaStream_t stream,
                  const MegaTail& tail = {});
 
