@@ -60,7 +60,8 @@ struct Sm90Options {
   // The MegaMoE kernel (issue 32; docs/design.md): both expert GEMMs of a call in one persistent
   // launch, each L2 tile starting once the L1 tiles of its rows are written, for the calls with
   // up to 12 routed rows per local expert on average in the exact mode (the other calls chain the
-  // two GEMM launches). The same results bit for bit as the chain on the same tile.
+  // two GEMM launches); under expert parallelism the same launch also writes L2's rows into their
+  // source ranks' combine slots. The same results bit for bit as the chain on the same tile.
   bool mega_kernel = false;
 };
 

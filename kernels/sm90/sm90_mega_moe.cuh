@@ -68,13 +68,15 @@ __device__ __forceinline__ void wait_count(const int32_t* counter, int target) {
 
 // Row r's destination under expert parallelism (MegaParams::ep_size > 0): its source rank's
 // combine slot t * K + k, from the row's place (s * t_max + t) * K + k in row_slot.
-__device__ __forceinline__ uint16_t* mega_ep_row(const MegaParams& mp, int64_t r) {
-  const int64_t K = mp.top_k;
-  const int64_t place = __ldg(mp.row_slot + r);
-  const int64_t token = place / K;
-  const int s = static_cast<int>(token / mp.ep_t_max);
-  const int64_t slot = (token - s * mp.ep_t_max) * K + place % K;
-  return reinterpret_cast<uint16_t*>(mp.ep_peers[s] + mp.ep_combine_offset) + slot * mp.l2.m_rows;
+// 32-bit arithmetic: places are int32 (row_slot).
+__device__ __forceinline__ uint16_t* mega_ep_row(const MegaParams& mp, int r) {
+  const uint32_t K = static_cast<uint32_t>(mp.top_k);
+  const uint32_t place = static_cast<uint32_t>(__ldg(mp.row_slot + r));
+  const uint32_t token = place / K;
+  const uint32_t s = token / static_cast<uint32_t>(mp.ep_t_max);
+  const uint32_t slot = (token - s * static_cast<uint32_t>(mp.ep_t_max)) * K + place % K;
+  return reinterpret_cast<uint16_t*>(mp.ep_peers[s] + mp.ep_combine_offset) +
+         static_cast<int64_t>(slot) * mp.l2.m_rows;
 }
 
 template <class Cfg>
@@ -163,6 +165,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   if (ms.num_slots() > mp.ready_capacity) __trap();
   // The unit each stage starts (written before the stage's first arrival; -1: no more units).
   __shared__ int32_t s_stage_unit[Cfg::kNumStages];
+  __shared__ uint16_t* s_ep_rows[Cfg::kBlockN];  // the L2 tile's destination rows (EP)
 
   if (threadIdx.x >= Cfg::kWarpgroupThreads) {
     // ================================ producer ================================
@@ -301,7 +304,11 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         if (tid == 0) ptx::red_release_gpu_add(mp.ready + ms.slot(tile), 1);
       } else if (mp.ep_size > 0) {
         // Expert parallelism: each row straight to its source rank's combine slot (the copy
-        // ep_return makes after the chain).
+        // ep_return makes after the chain); the tile's row addresses computed once, in shared
+        // memory (per element, the divisions of mega_ep_row made the epilogue slower than the
+        // copy it saves: tuning log v25).
+        if (tid < tile.num_rows) s_ep_rows[tid] = mega_ep_row(mp, tile.row0 + tid);
+        ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
         const int warp = tid / 32, g = (tid % 32) / 4;
 #pragma unroll
         for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
@@ -310,9 +317,10 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
           for (int half = 0; half < 2; ++half) {
             const int n = (tile.m_block0 + sub) * sm90_layout::kBlockRows + warp * 16 + g + 8 * half;
             epilogue_l2_half<Cfg>(mp.l2, tile, acc[sub], half, n, l2_bias(mp.l2, tile, n), tid,
-                                  [&](int64_t row) { return mega_ep_row(mp, row); });
+                                  [&](int64_t row) { return s_ep_rows[row - tile.row0]; });
           }
         }
+        ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);  // s_ep_rows is rewritten next tile
       } else {
 #pragma unroll
         for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {

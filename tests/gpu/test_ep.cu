@@ -340,16 +340,7 @@ TEST(Ep, InvalidIdsReportedBySourceRank) {
   EXPECT_EQ(count_mismatches(ep.output(), expected), 0);
 }
 
-// The NCCL transport with one rank: window registration, device communicator, LSA barrier and
-// the same kernels; equal to the layer without a group.
-TEST(EpNccl, OneRankEqualsPlainLayer) {
-  MEGAMOE_REQUIRE_SM90();
-  if (!nccl_available()) {
-    std::printf("[  SKIPPED ] NCCL: no usable libnccl.so.2 of version >= the build's headers "
-                "(put a newer one first on LD_LIBRARY_PATH)\n");
-    GTEST_SKIP() << "no usable libnccl";
-  }
-  const LayerConfig c = ep_config("small", 64);
+void expect_nccl_one_rank_equals_plain(const LayerConfig& c) {
   const EpInputs in = make_ep_inputs(c, {64}, Routing::kSkewed, 1020, 0.1);
   OneGpu one(c, in.total(), 1020);
   const std::vector<uint16_t> expected = one.run(in);
@@ -368,6 +359,25 @@ TEST(EpNccl, OneRankEqualsPlainLayer) {
                   TensorView::contiguous(y.get(), DType::kBF16, {t, h}, dev));
     layer.check_errors();
     EXPECT_EQ(count_mismatches(y.download(), expected), 0) << "call " << rep;
+  }
+}
+
+
+// The NCCL transport with one rank: window registration, device communicator, LSA barrier and
+// the same kernels; equal to the layer without a group. Also with the MegaMoE kernel on a
+// decode tile (its L2 rows written through the NCCL window's LSA pointer).
+TEST(EpNccl, OneRankEqualsPlainLayer) {
+  MEGAMOE_REQUIRE_SM90();
+  if (!nccl_available()) {
+    std::printf("[  SKIPPED ] NCCL: no usable libnccl.so.2 of version >= the build's headers "
+                "(put a newer one first on LD_LIBRARY_PATH)\n");
+    GTEST_SKIP() << "no usable libnccl";
+  }
+  for (bool mega : {false, true}) {
+    SCOPED_TRACE(mega ? "MegaMoE kernel" : "chain");
+    expect_nccl_one_rank_equals_plain(mega ? ep_config("small", 64, "decode_128x16_k2_warp",
+                                                       Precision::kExact, true)
+                                           : ep_config("small", 64));
   }
 }
 
