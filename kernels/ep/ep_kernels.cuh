@@ -294,12 +294,11 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
   const int64_t rows = out != nullptr ? __ldg(row_offsets + p.num_local) : 0;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kReturnWarps + threadIdx.x / 32; r < rows;
        r += static_cast<int64_t>(gridDim.x) * kReturnWarps) {
-    const int64_t place = __ldg(row_slot + r);
-    const int64_t token = place / K;  // s*T_max + t
-    const int s = static_cast<int>(token / L.t_max);
-    const int64_t slot = (token - s * L.t_max) * K + place % K;
+    const ReturnSlot to = return_slot(static_cast<uint32_t>(__ldg(row_slot + r)),
+                                      static_cast<uint32_t>(K), static_cast<uint32_t>(L.t_max));
     const uint4* src = reinterpret_cast<const uint4*>(out + r * H);
-    uint4* dst = reinterpret_cast<uint4*>(region<uint16_t>(p.peers[s], L.combine) + slot * H);
+    uint4* dst = reinterpret_cast<uint4*>(region<uint16_t>(p.peers[to.rank], L.combine) +
+                                          static_cast<int64_t>(to.slot) * H);
     for (int64_t c = lane; c < H / 8; c += 32) dst[c] = __ldg(src + c);
   }
   EpLocal* me = local_state(p);

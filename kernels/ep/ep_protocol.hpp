@@ -27,6 +27,8 @@
 
 #include <cstdint>
 
+#include "megamoe/formats.hpp"  // MEGAMOE_HD
+
 namespace megamoe::ep {
 
 constexpr int kMaxRanks = 64;  // one NVLink domain (NVL72 has 72 GPUs: one bit word per mask)
@@ -95,6 +97,19 @@ struct WindowLayout {
     return l;
   }
 };
+
+// Where a computed row goes back: its place among the received slots, (s * t_max + t) * K + k
+// (the EP dispatch's row_slot), names combine slot t * K + k of source rank s. ep_return's copy
+// and the MegaMoE kernel's L2 epilogue use it (int32 places: 32-bit arithmetic).
+struct ReturnSlot {
+  uint32_t rank;
+  uint32_t slot;
+};
+MEGAMOE_HD ReturnSlot return_slot(uint32_t place, uint32_t top_k, uint32_t t_max) {
+  const uint32_t token = place / top_k;  // s * t_max + t
+  const uint32_t s = token / t_max;
+  return {s, (token - s * t_max) * top_k + place % top_k};
+}
 
 // The parameter block of every EP kernel (passed by value).
 struct EpParams {

@@ -32,6 +32,7 @@
 
 #include <cstdint>
 
+#include "ep/ep_protocol.hpp"
 #include "sm90/sm90_grouped_gemm_bf16_mxfp4.cuh"
 #include "sm90/sm90_tile_schedule.hpp"
 
@@ -67,16 +68,13 @@ __device__ __forceinline__ void wait_count(const int32_t* counter, int target) {
 }
 
 // Row r's destination under expert parallelism (MegaParams::ep_size > 0): its source rank's
-// combine slot t * K + k, from the row's place (s * t_max + t) * K + k in row_slot.
-// 32-bit arithmetic: places are int32 (row_slot).
+// combine slot (ep::return_slot of the row's place in row_slot).
 __device__ __forceinline__ uint16_t* mega_ep_row(const MegaParams& mp, int r) {
-  const uint32_t K = static_cast<uint32_t>(mp.top_k);
-  const uint32_t place = static_cast<uint32_t>(__ldg(mp.row_slot + r));
-  const uint32_t token = place / K;
-  const uint32_t s = token / static_cast<uint32_t>(mp.ep_t_max);
-  const uint32_t slot = (token - s * static_cast<uint32_t>(mp.ep_t_max)) * K + place % K;
-  return reinterpret_cast<uint16_t*>(mp.ep_peers[s] + mp.ep_combine_offset) +
-         static_cast<int64_t>(slot) * mp.l2.m_rows;
+  const ep::ReturnSlot to = ep::return_slot(static_cast<uint32_t>(__ldg(mp.row_slot + r)),
+                                            static_cast<uint32_t>(mp.top_k),
+                                            static_cast<uint32_t>(mp.ep_t_max));
+  return reinterpret_cast<uint16_t*>(mp.ep_peers[to.rank] + mp.ep_combine_offset) +
+         static_cast<int64_t>(to.slot) * mp.l2.m_rows;
 }
 
 template <class Cfg>
