@@ -278,9 +278,10 @@ constexpr int kReturnThreads = 256;
 constexpr int kReturnWarps = kReturnThreads / 32;
 
 // One warp per computed row (grid-stride): out[r] (bf16 [H]) to the combine slot t*K + k of the
-// row's source rank (none with out == nullptr: the MegaMoE kernel wrote them). The last CTA publishes return_sig on every rank, then waits for every
-// rank's return_sig of this call; only then may the combine launch (PDL): its CTAs must not sit
-// on the GPU while a rank it waits for still needs room to run.
+// row's source rank (none with out == nullptr: the MegaMoE kernel wrote them). The last CTA
+// publishes return_sig on every rank, then waits for every rank's return_sig of this call; only
+// then may the combine launch (PDL): its CTAs must not sit on the GPU while a rank it waits for
+// still needs room to run.
 __global__ void __launch_bounds__(kReturnThreads)
 ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
                  const int32_t* __restrict__ row_offsets, const int32_t* __restrict__ row_slot) {

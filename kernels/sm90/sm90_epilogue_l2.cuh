@@ -73,47 +73,55 @@ __device__ __forceinline__ void epilogue_l2_staged(const GemmParams& p, const Ti
   ptx::named_barrier_sync(1 + wg, Cfg::kWarpgroupThreads);  // the staging area is reused next
 }
 
-// One half (channel n) of a thread's accumulator fragment of an m64 x N block (N <= 128) to
-// row_ptr(row)[n]: epilogue_l2's stores, with the row's destination chosen by the caller (l2.out
-// in the GEMM kernel; the MegaMoE kernel under expert parallelism: the source rank's combine slot).
+// The bias of channel n (0 without one), as the L2 epilogues add it (times the row weight).
+__device__ __forceinline__ float l2_bias(const GemmParams& p, const TileInfo& tile, int n) {
+  return p.bias != nullptr ? bf16_to_f32(p.bias[static_cast<int64_t>(tile.expert) * p.m_rows + n])
+                           : 0.0f;
+}
+
+// epilogue_l2 of one m64 x N block (N <= 128) with the row's destination chosen by the caller:
+// row_ptr(row)[n] = bf16(acc (+ row_weight * bias[n])) (l2.out in the GEMM kernel; the MegaMoE
+// kernel under expert parallelism: the source rank's combine slot).
 template <class Cfg, class RowPtr>
-__device__ __forceinline__ void epilogue_l2_half(const GemmParams& p, const TileInfo& tile,
-                                                 const float (&acc)[Cfg::kBlockN / 2], int half,
-                                                 int n, float bias, int tid, RowPtr&& row_ptr) {
-  const int t = tid % 4;
+__device__ __forceinline__ void epilogue_l2_rows(const GemmParams& p, const TileInfo& tile,
+                                                 int mblk, const float (&acc)[Cfg::kBlockN / 2],
+                                                 int tid, RowPtr&& row_ptr) {
+  static_assert(Cfg::kBlockN <= 128, "wider tiles keep their own addressing (epilogue_l2)");
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
-  for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
-    if (8 * i < tile.num_rows) {
+  for (int half = 0; half < 2; ++half) {
+    const int n = mblk * sm90_layout::kBlockRows + warp * 16 + g + 8 * half;
+    const float bias = l2_bias(p, tile, n);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int col = 8 * i + 2 * t + h;
-        if (col < tile.num_rows) {
-          const int64_t row = tile.row0 + col;
-          float v = acc[4 * i + 2 * half + h];
-          if (p.bias != nullptr) v += __ldg(p.row_weights + row) * bias;
-          row_ptr(row)[n] = bf16_from_f32(v);
+    for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
+      if (8 * i < tile.num_rows) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = 8 * i + 2 * t + h;
+          if (col < tile.num_rows) {
+            const int64_t row = tile.row0 + col;
+            float v = acc[4 * i + 2 * half + h];
+            if (p.bias != nullptr) v += __ldg(p.row_weights + row) * bias;
+            row_ptr(row)[n] = bf16_from_f32(v);
+          }
         }
       }
     }
   }
 }
 
-// The bias of channel n (0 without one), as epilogue_l2 adds it (times the row weight).
-__device__ __forceinline__ float l2_bias(const GemmParams& p, const TileInfo& tile, int n) {
-  return p.bias != nullptr ? bf16_to_f32(p.bias[static_cast<int64_t>(tile.expert) * p.m_rows + n])
-                           : 0.0f;
-}
-
 template <class Cfg>
 __device__ __forceinline__ void epilogue_l2(const GemmParams& p, const TileInfo& tile, int mblk,
                                             const float (&acc)[Cfg::kBlockN / 2], int tid) {
-  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int H = p.m_rows;
+  if constexpr (Cfg::kBlockN <= 128) {
+    epilogue_l2_rows<Cfg>(p, tile, mblk, acc, tid, [&](int64_t row) { return p.out + row * H; });
+  } else {
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int n = mblk * sm90_layout::kBlockRows + warp * 16 + g + 8 * half;
-    const float bias = l2_bias(p, tile, n);
-    if constexpr (Cfg::kBlockN > 128) {
+    for (int half = 0; half < 2; ++half) {
+      const int n = mblk * sm90_layout::kBlockRows + warp * 16 + g + 8 * half;
+      const float bias = l2_bias(p, tile, n);
       // NOTES: one 64-bit base per half and 32-bit column offsets col * H, with H through an
       // opaque move: otherwise the compiler hoists every col * H (loop-invariant) out of the
       // tile loop and spills them (seen at 192 token rows; the validated <= 128-row configs
@@ -135,9 +143,6 @@ __device__ __forceinline__ void epilogue_l2(const GemmParams& p, const TileInfo&
           }
         }
       }
-    } else {
-      epilogue_l2_half<Cfg>(p, tile, acc, half, n, bias, tid,
-                            [&](int64_t row) { return p.out + row * H; });
     }
   }
 }

@@ -307,16 +307,11 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         // copy it saves: tuning log v25).
         if (tid < tile.num_rows) s_ep_rows[tid] = mega_ep_row(mp, tile.row0 + tid);
         ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
-        const int warp = tid / 32, g = (tid % 32) / 4;
 #pragma unroll
         for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
           if (sub >= tile.num_m_blocks) continue;
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int n = (tile.m_block0 + sub) * sm90_layout::kBlockRows + warp * 16 + g + 8 * half;
-            epilogue_l2_half<Cfg>(mp.l2, tile, acc[sub], half, n, l2_bias(mp.l2, tile, n), tid,
-                                  [&](int64_t row) { return s_ep_rows[row - tile.row0]; });
-          }
+          epilogue_l2_rows<Cfg>(mp.l2, tile, tile.m_block0 + sub, acc[sub], tid,
+                                [&](int64_t row) { return s_ep_rows[row - tile.row0]; });
         }
         ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);  // s_ep_rows is rewritten next tile
       } else {

@@ -362,7 +362,6 @@ void expect_nccl_one_rank_equals_plain(const LayerConfig& c) {
   }
 }
 
-
 // The NCCL transport with one rank: window registration, device communicator, LSA barrier and
 // the same kernels; equal to the layer without a group. Also with the MegaMoE kernel on a
 // decode tile (its L2 rows written through the NCCL window's LSA pointer).
