@@ -48,12 +48,14 @@ class Command {
 // All registered commands, sorted by name.
 std::vector<CommandInfo> registered_commands();
 
-// The Hopper backend's options as flags (`run`, `bench`): --tile, --no-pdl, --mega, --rows-hint, mapped
+// The Hopper backend's options as flags (`run`, `bench`): --tile, --no-pdl, --mega,
+// --no-decode-front, --rows-hint, mapped
 // onto LayerConfig::sm90 (validated with the config).
 struct Sm90Flags {
   std::string tile = "auto";
   bool no_pdl = false;
   bool mega = false;
+  bool no_decode_front = false;
   std::string rows_hint = "gated";
 
   void add_to(CLI::App& app) {
@@ -65,6 +67,9 @@ struct Sm90Flags {
     app.add_flag("--mega", mega,
                  "the MegaMoE kernel: both expert GEMMs in one persistent launch for calls with "
                  "up to 12 rows per expert (exact mode); the chain of launches otherwise");
+    app.add_flag("--no-decode-front", no_decode_front,
+                 "quantize, dispatch and gather as three launches also for decode calls "
+                 "(T*K <= 1024 on one GPU, exact mode), where they are one by default");
     app.add_option("--rows-hint", rows_hint,
                    "how the tile policy estimates a launch's rows: gated | bound | expected")
         ->capture_default_str();
@@ -73,6 +78,7 @@ struct Sm90Flags {
     config.sm90.gemm_tile = tile;
     config.sm90.programmatic_launch = !no_pdl;
     config.sm90.mega_kernel = mega;
+    config.sm90.decode_front = !no_decode_front;
     config.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
   }
 };

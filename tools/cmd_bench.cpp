@@ -367,14 +367,14 @@ int run_bench(const BenchOptions& o) {
     layers.push_back(std::make_unique<sm90::Sm90Layer>(config, &prepared));
     for (auto& c : copies) layers.push_back(std::make_unique<sm90::Sm90Layer>(config, &c));
     std::printf("\n== %s (H=%lld I=%lld E=%lld K=%lld, EP %d: %lld local experts), activation %s, %s, "
-                "precision %s (fp8 from %lld rows per expert), GEMMs %s; "
+                "precision %s (fp8 from %lld rows per expert), GEMMs %s, decode front %s; "
                 "weights %.2f GB (generated + prepared in %.1f s), %d weight cop%s rotated\n",
                 shape_name.c_str(), (long long)s.hidden, (long long)s.intermediate,
                 (long long)s.num_experts, (long long)s.top_k, o.ep_size, (long long)el,
                 config.activation.to_string().c_str(), o.exact ? "exact math" : "fast_math",
                 to_string(config.precision), (long long)config.fp8_min_rows_per_expert,
                 config.sm90.mega_kernel ? "MegaMoE kernel where it applies" : "chained",
-                weight_bytes / 1e9, gen_s, num_weight_copies, num_weight_copies == 1 ? "y" : "ies");
+                config.sm90.decode_front ? "on" : "off", weight_bytes / 1e9, gen_s, num_weight_copies, num_weight_copies == 1 ? "y" : "ies");
     std::printf("%8s %6s %10s %10s %9s %9s %9s %9s %7s %7s %7s | %s\n", "tokens", "sets",
                 "median_us", "min_us", "TFLOP/s", "wGB/s", "floor_us", "t_mem_us", "f_floor",
                 "f_bf16", "f_fp8", "stages: us (% of layer)");
@@ -482,6 +482,7 @@ int run_bench(const BenchOptions& o) {
         j["fp8_call"] = config.fp8_for_tokens(tokens);
         j["gemm_tile"] = config.sm90.gemm_tile;
         j["mega_kernel"] = config.sm90.mega_kernel;
+        j["decode_front"] = config.sm90.decode_front;
         j["programmatic_launch"] = config.sm90.programmatic_launch;
         j["rows_hint"] = to_string(config.sm90.rows_hint);
         j["median_us"] = med;

@@ -302,6 +302,7 @@ int run_slice(const RunOptions& o, const RunSetup& s, std::chrono::steady_clock:
     j["precision"] = to_string(cfg.precision);
     j["gemm_tile"] = cfg.sm90.gemm_tile;
     j["mega_kernel"] = cfg.sm90.mega_kernel;
+    j["decode_front"] = cfg.sm90.decode_front;
     j["ep"] = {{"mode", "slice"}, {"size", cfg.ep_size}, {"rank", cfg.ep_rank},
                {"first_local_expert", cfg.first_local_expert()},
                {"local_experts", cfg.num_local_experts()}, {"local_slots", local_slots}};
@@ -571,6 +572,7 @@ int run_virtual(const RunOptions& o, const RunSetup& s, std::chrono::steady_cloc
     j["fast_math"] = base.fast_math;
     j["gemm_tile"] = base.sm90.gemm_tile;
     j["mega_kernel"] = base.sm90.mega_kernel;
+    j["decode_front"] = base.sm90.decode_front;
     nlohmann::json ranks = nlohmann::json::array();
     for (int r = 0; r < R; ++r) {
       const auto& t = rank_times[static_cast<size_t>(r)];

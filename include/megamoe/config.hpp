@@ -63,6 +63,10 @@ struct Sm90Options {
   // two GEMM launches); under expert parallelism the same launch also writes L2's rows into their
   // source ranks' combine slots. The same results bit for bit as the chain on the same tile.
   bool mega_kernel = false;
+  // Decode front: quantize, dispatch and gather of an exact-mode call on one GPU with T*K <= 1024
+  // as one launch (kernels/sm90/sm90_decode_front.cuh) instead of three; the same workspace bit
+  // for bit. Off: the three launches (the stage columns of `megamoe bench` then split them).
+  bool decode_front = true;
 };
 
 struct LayerConfig {

@@ -11,6 +11,8 @@ constexpr int kDispatchMaxWarps = 32;
 constexpr int kDispatchWarpSize = 32;
 constexpr int kDispatchUnroll = 8;  // 32-slot chunks whose ids a warp loads before using them
 constexpr unsigned long long kDispatchNoError = ~0ull;
+// T*K bound of the decode front (sm90_decode_front.cuh: each slot's block scans every id).
+constexpr int64_t kFrontMaxSlots = 1024;
 
 struct DispatchError {
   // (slot << 32) | uint32(id) of the smallest invalid slot, or kDispatchNoError

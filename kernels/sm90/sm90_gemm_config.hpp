@@ -63,6 +63,15 @@ struct GemmParams {
   // of the stream (tiles without setmaxnreg; the others wait first). 0: wait first (also
   // correct in a plainly launched grid, where the wait is a no-op).
   int prefetch_before_wait = 0;
+  // Schedule counted from the top-k ids (L1Args::topk_idx; nullptr: read from row_offsets):
+  // where the previous kernel itself writes row_offsets (the layer's decode front), a schedule
+  // built before the wait counts each local expert's rows from the caller's ids instead, which
+  // the kernel two launches back has written: topk_slots = T*K ids, local experts
+  // [topk_first_local, topk_first_local + num_experts); other ids (-1, invalid, other ranks')
+  // have no row, as in the dispatch. Tiles with setmaxnreg (prefill) ignore it: they wait first.
+  const int32_t* topk_idx = nullptr;
+  int topk_slots = 0;
+  int topk_first_local = 0;
   // Work units taken at run time (tiles without setmaxnreg or an asynchronous epilogue; others
   // ignore it): CTA b runs unit b first, then each CTA's producer takes the next unit from
   // unit_counter[0] (gridDim.x + atomicAdd) when it has issued its current unit's copies, and

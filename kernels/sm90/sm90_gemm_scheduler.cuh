@@ -43,6 +43,41 @@ __device__ __forceinline__ void load_row_offsets(const int32_t* __restrict__ row
   }
 }
 
+// The row offsets the dispatch writes, counted from the caller's top-k ids into s_offsets[0..E]
+// (GemmParams::topk_idx): each local expert's slots, then an exclusive scan. Called by all
+// kThreads threads of the CTA (contains __syncthreads; the caller syncs after it).
+template <int kThreads>
+__device__ __forceinline__ void count_row_offsets(const int32_t* __restrict__ topk_idx,
+                                                  int num_slots, int first_local, int num_experts,
+                                                  int32_t* s_offsets) {
+  __shared__ int32_t s_warp_sums[kThreads / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int e = tid; e <= num_experts; e += kThreads) s_offsets[e] = 0;
+  __syncthreads();
+  for (int s = tid; s < num_slots; s += kThreads) {
+    // ld.global.cg as load_row_offsets: this runs before the grid's dependency wait.
+    const int local = __ldcg(topk_idx + s) - first_local;  // -1 and invalid ids: out of range
+    if (local >= 0 && local < num_experts) atomicAdd(&s_offsets[local], 1);
+  }
+  __syncthreads();
+  // Exclusive scan of the counts in place: thread i owns entries [i C, i C + C).
+  const int per = (num_experts + 1 + kThreads - 1) / kThreads;
+  const int first = tid * per;
+  int sum = 0;
+  for (int j = 0; j < per && first + j <= num_experts; ++j) sum += s_offsets[first + j];
+  const int incl = warp_inclusive_sum(sum, lane);
+  if (lane == 31) s_warp_sums[warp] = incl;
+  __syncthreads();
+  int run = incl - sum;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) run += w < warp ? s_warp_sums[w] : 0;
+  for (int j = 0; j < per && first + j <= num_experts; ++j) {
+    const int count = s_offsets[first + j];
+    s_offsets[first + j] = run;
+    run += count;
+  }
+}
+
 // build_schedule of the configs with setmaxnreg (prefill): the same schedule, kThreads experts per
 // round with two __syncthreads each. Called by all kThreads threads of the CTA (contains
 // __syncthreads).
@@ -96,13 +131,20 @@ __device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, i
 // A first one-round version that loaded each thread's C entries straight from global memory (C
 // words apart across a warp, 7x the L2 requests of coalesced loads) was slower still
 // (docs/tuning-log.md).
+// With topk_idx (GemmParams::topk_idx), the offsets are counted from the ids instead.
 template <int kThreads, int kBlockN>
 __device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_experts,
-                               int max_rows, int m_tiles, int32_t* s_offsets, int32_t* s_prefix) {
+                               int max_rows, int m_tiles, int32_t* s_offsets, int32_t* s_prefix,
+                               const int32_t* __restrict__ topk_idx = nullptr, int topk_slots = 0,
+                               int topk_first_local = 0) {
   __shared__ int32_t s_warp_sums[kThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   constexpr int kMaxPer = (kMaxLocalExperts + 1 + kThreads - 1) / kThreads;
-  load_row_offsets<kThreads>(row_offsets, num_experts, s_offsets);
+  if (topk_idx != nullptr) {
+    count_row_offsets<kThreads>(topk_idx, topk_slots, topk_first_local, num_experts, s_offsets);
+  } else {
+    load_row_offsets<kThreads>(row_offsets, num_experts, s_offsets);
+  }
   __syncthreads();
   const int per = (num_experts + 1 + kThreads - 1) / kThreads;  // C <= kMaxPer
   const int first = tid * per;

@@ -300,7 +300,8 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
                                                        m_tiles, s_offsets, s_prefix);
   } else {
     build_schedule<Cfg::kThreads, Cfg::kBlockN>(p.row_offsets, p.num_experts, p.max_rows, m_tiles,
-                                                s_offsets, s_prefix);
+                                                s_offsets, s_prefix, p.topk_idx, p.topk_slots,
+                                                p.topk_first_local);
   }
   __syncthreads();
   if ((p.gate_min_avg | p.gate_max_avg) != 0 && !gate_passes<Cfg::kThreads>(p, s_offsets)) {

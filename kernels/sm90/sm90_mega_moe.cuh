@@ -121,7 +121,8 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   const bool prefetch = mp.l1.prefetch_before_wait != 0;
   if (!prefetch) ptx::grid_dependency_wait();
   build_schedule<Cfg::kThreads, Cfg::kBlockN>(mp.l1.row_offsets, num_experts, mp.l1.max_rows,
-                                              m_tiles1, s_offsets, s_prefix1);
+                                              m_tiles1, s_offsets, s_prefix1, mp.l1.topk_idx,
+                                              mp.l1.topk_slots, mp.l1.topk_first_local);
   __syncthreads();
   for (int e = threadIdx.x; e <= num_experts; e += Cfg::kThreads) {
     s_prefix2[e] = s_prefix1[e] / m_tiles1 * m_tiles2;  // the same n-tiles, L2's m-tiles

@@ -39,7 +39,8 @@ std::string config_repr(const LayerConfig& c) {
                         ", max_tokens_per_rank=", c.max_tokens_per_rank,
                         ", fast_math=", c.fast_math ? "True" : "False", ", precision='",
                         to_string(c.precision), "', gemm_tile='", c.sm90.gemm_tile, "'",
-                        c.sm90.mega_kernel ? ", mega_kernel=True" : "", ")");
+                        c.sm90.mega_kernel ? ", mega_kernel=True" : "",
+                        c.sm90.decode_front ? "" : ", decode_front=False", ")");
 }
 
 }  // namespace
@@ -123,7 +124,7 @@ void register_config(nb::module_& m) {
              int ep_size, int ep_rank, int64_t max_tokens_per_rank, bool fast_math,
              const std::string& gemm_tile, bool programmatic_launch, const std::string& rows_hint,
              bool sync_error_check, const std::string& precision,
-             int64_t fp8_min_rows_per_expert, bool mega_kernel) {
+             int64_t fp8_min_rows_per_expert, bool mega_kernel, bool decode_front) {
             LayerConfig c;
             c.shape = to_shape(shape);
             if (activation) {
@@ -139,6 +140,7 @@ void register_config(nb::module_& m) {
             c.sm90.programmatic_launch = programmatic_launch;
             c.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
             c.sm90.mega_kernel = mega_kernel;
+            c.sm90.decode_front = decode_front;
             c.sync_error_check = sync_error_check;
             c.precision = parse_precision(precision);
             c.fp8_min_rows_per_expert = fp8_min_rows_per_expert;
@@ -151,6 +153,7 @@ void register_config(nb::module_& m) {
           nb::arg("programmatic_launch") = true, nb::arg("rows_hint") = "gated",
           nb::arg("sync_error_check") = false, nb::arg("precision") = "exact",
           nb::arg("fp8_min_rows_per_expert") = 128, nb::arg("mega_kernel") = false,
+          nb::arg("decode_front") = true,
           "shape: a LayerShape or a preset name ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b', "
           "'small'). activation: an Activation or a spec string; None takes the preset's "
           "activation when shape is a name, else 'swiglu'. gemm_tile, programmatic_launch, "
@@ -164,6 +167,8 @@ void register_config(nb::module_& m) {
           "UnsupportedError for it with H, I not multiples of 128. mega_kernel: the sm90 backend runs "
           "both expert GEMMs of a call with up to 12 routed rows per expert (exact mode) in one "
           "persistent launch, the MegaMoE kernel (the same results as the chained launches). "
+          "decode_front: the sm90 backend quantizes, dispatches and gathers a call with "
+          "T * K <= 1024 on one GPU (exact mode) in one launch (False: three; the same results). "
           "Validated on construction.")
       .def_rw("shape", &LayerConfig::shape)
       .def_rw("activation", &LayerConfig::activation)
@@ -181,6 +186,9 @@ void register_config(nb::module_& m) {
       .def_prop_rw(
           "mega_kernel", [](const LayerConfig& c) { return c.sm90.mega_kernel; },
           [](LayerConfig& c, bool v) { c.sm90.mega_kernel = v; })
+      .def_prop_rw(
+          "decode_front", [](const LayerConfig& c) { return c.sm90.decode_front; },
+          [](LayerConfig& c, bool v) { c.sm90.decode_front = v; })
       .def_prop_rw(
           "rows_hint", [](const LayerConfig& c) { return std::string(to_string(c.sm90.rows_hint)); },
           [](LayerConfig& c, const std::string& v) { c.sm90.rows_hint = parse_rows_hint_mode(v); })

@@ -332,6 +332,15 @@ GemmParams l1_params(const L1Args& a) {
   }
   set_split_k(p, a.split_k, a.k_splits, "launch_l1");
   p.prefetch_before_wait = a.programmatic ? 1 : 0;
+  if (a.topk_idx != nullptr) {
+    MEGAMOE_CHECK_ARG(a.topk_slots > 0 && a.topk_slots <= INT32_MAX && a.topk_first_local >= 0 &&
+                          a.topk_first_local <= INT32_MAX,
+                      "launch_l1: expected 0 < topk_slots <= 2^31-1 and topk_first_local >= 0, "
+                      "got ", a.topk_slots, " and ", a.topk_first_local);
+    p.topk_idx = a.topk_idx;
+    p.topk_slots = static_cast<int>(a.topk_slots);
+    p.topk_first_local = static_cast<int>(a.topk_first_local);
+  }
   return p;
 }
 

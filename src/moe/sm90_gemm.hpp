@@ -114,8 +114,17 @@ struct L1Args {
   // h_act, row_weights or the split-K workspace and before it writes anything. So row_offsets
   // must not be written by the previous kernel itself: Sm90Layer's dispatch runs two launches
   // earlier (dispatch, gather, L1, L2), and a megamoe kernel that lets its successor start early
-  // does so only after its own wait, so dispatch has completed when L1 or L2 starts.
+  // does so only after its own wait, so dispatch has completed when L1 or L2 starts. Where the
+  // previous kernel does write row_offsets (the decode front: quantize, dispatch and gather in
+  // one launch), topk_idx lets the decode tiles count the schedule from the caller's ids, which
+  // the launch before it has written.
   bool programmatic = false;
+  // Optional (nullptr: the schedule reads row_offsets): the caller's top-k ids, device int32
+  // [topk_slots] (T*K), with the local experts [topk_first_local, topk_first_local + E_l);
+  // the rows they give must be those of row_offsets (the dispatch's rule; GemmParams::topk_idx).
+  const int32_t* topk_idx = nullptr;
+  int64_t topk_slots = 0;
+  int64_t topk_first_local = 0;
 };
 
 struct L2Args {

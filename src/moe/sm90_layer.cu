@@ -273,8 +273,12 @@ Sm90Layer::~Sm90Layer() {
   if (error_flag_host_ != nullptr) cudaFreeHost(const_cast<int32_t*>(error_flag_host_));
 }
 
-L1Args Sm90Layer::l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8) const {
+L1Args Sm90Layer::l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
+                           const int32_t* topk_idx, int64_t topk_slots) const {
   L1Args l1;
+  l1.topk_idx = topk_idx;
+  l1.topk_slots = topk_slots;
+  l1.topk_first_local = config_.first_local_expert();
   l1.num_experts = static_cast<int>(config_.num_local_experts());
   l1.hidden = config_.shape.hidden;
   l1.intermediate = config_.shape.intermediate;
@@ -335,10 +339,11 @@ L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, b
 }
 
 bool Sm90Layer::launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
-                                   cudaStream_t stream, const MegaTail& tail) {
+                                   cudaStream_t stream, const MegaTail& tail,
+                                   const int32_t* topk_idx, int64_t topk_slots) {
   if (!config_.sm90.mega_kernel || fp8) return false;
-  return launch_mega(l1_args(rows_hint, per_expert_max, pdl), l2_args(rows_hint, per_expert_max, pdl),
-                     view_.mega, stream, tail);
+  return launch_mega(l1_args(rows_hint, per_expert_max, pdl, false, topk_idx, topk_slots),
+                     l2_args(rows_hint, per_expert_max, pdl), view_.mega, stream, tail);
 }
 
 void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
@@ -353,16 +358,14 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   const int64_t slots = num_tokens * s.top_k;
   auto done = [&](Stage stage) { return static_cast<int>(stage) >= static_cast<int>(last); };
 
-  // The six launches form a programmatic-dependent-launch chain (config.sm90.programmatic_launch):
+  // The launches (six; four with the decode front) form a programmatic-dependent-launch chain
+  // (config.sm90.programmatic_launch):
   // each kernel waits for its predecessor on the device before touching its data; every kernel
   // but the prefill GEMM tiles lets its successor start early (after its own wait), and the decode
   // GEMMs build their schedules and start streaming weights before their wait and take their
   // work units at run time (L1Args::programmatic, SplitKWorkspace::unit_counter;
   // docs/design.md).
   const bool pdl = programmatic_;
-  launch_quantize_input(x, num_tokens, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
-  if (done(Stage::kQuantize)) return;
-
   // An invalid expert id seen by an earlier call (the flag is host memory: no wait) is reported
   // now, before anything is launched; under graph capture nothing may synchronize, so the check
   // waits for check_errors() or the next eager call.
@@ -381,26 +384,41 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   rp.row_weights = view_.row_weights;
   rp.error = view_.error;
   rp.error_flag = error_flag_dev_;
-  launch_dispatch(rp, stream, pdl);
-  if (done(Stage::kDispatch)) return;
-
   // FP8 mode (config.precision, per call: LayerConfig::fp8_for_tokens): L1's and L2's token rows
   // are E4M3 rebased per row (launch_rebase_rows_e4m3) instead of BF16.
   const bool fp8 = config_.fp8_for_tokens(num_tokens);
-  if (fp8) {
-    launch_rebase_rows_e4m3(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local,
-                            s.top_k, s.hidden, slots, view_.act_fp8, view_.act_factor, stream, pdl);
+
+  // Decode calls (config.sm90.decode_front): quantize, dispatch and gather in one launch, which
+  // every stage prefix up to the gather runs whole.
+  const bool front = config_.sm90.decode_front && !fp8 && decode_front_takes(slots, num_local);
+  if (front) {
+    launch_decode_front(x, num_tokens, s.top_k, s.hidden, rp, view_.x_q, view_.x_sf, view_.act,
+                        stream, pdl);
+    if (done(Stage::kGather)) return;
   } else {
-    launch_gather(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local, s.top_k,
-                  s.hidden, slots, view_.act, stream, pdl);
+    launch_quantize_input(x, num_tokens, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
+    if (done(Stage::kQuantize)) return;
+    launch_dispatch(rp, stream, pdl);
+    if (done(Stage::kDispatch)) return;
+    if (fp8) {
+      launch_rebase_rows_e4m3(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local,
+                              s.top_k, s.hidden, slots, view_.act_fp8, view_.act_factor, stream,
+                              pdl);
+    } else {
+      launch_gather(view_.x_q, view_.x_sf, view_.row_offsets, view_.row_slot, num_local, s.top_k,
+                    s.hidden, slots, view_.act, stream, pdl);
+    }
+    if (done(Stage::kGather)) return;
   }
-  if (done(Stage::kGather)) return;
 
   // The MegaMoE kernel (config.sm90.mega_kernel) runs both GEMMs where its policy takes the
-  // call; the stage prefix "l1" then times both.
+  // call; the stage prefix "l1" then times both. After the decode front (the launch just before
+  // writes row_offsets) L1's schedule is counted from the ids (L1Args::topk_idx).
   const RowsHint rows = rows_hint(config_, num_tokens, slots);
-  if (!launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream, MegaTail{})) {
-    launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
+  const int32_t* schedule_ids = front ? topk_idx : nullptr;
+  if (!launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream, MegaTail{},
+                          schedule_ids, slots)) {
+    launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8, schedule_ids, slots), stream);
     if (fp8) {
       launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
                               s.intermediate, slots, view_.h_fp8, view_.h_factor, stream, pdl);

@@ -137,14 +137,18 @@ class Sm90Layer {
   void init_workspace();
   // The GEMMs' arguments of a call: the workspace, the weights and the layer's options, with the
   // policy's row estimates (L1Args).
-  // fp8: the call runs the FP8 mode (LayerConfig::fp8_for_tokens).
-  L1Args l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false) const;
+  // fp8: the call runs the FP8 mode (LayerConfig::fp8_for_tokens). topk_idx (T*K = topk_slots
+  // ids): L1's schedule is counted from the caller's ids (after the decode front, which writes
+  // row_offsets itself; L1Args::topk_idx).
+  L1Args l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false,
+                 const int32_t* topk_idx = nullptr, int64_t topk_slots = 0) const;
   L2Args l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false) const;
   // Both GEMMs in one launch of the MegaMoE kernel where config.sm90.mega_kernel is on and its
   // policy takes the call (launch_mega), L2's rows where `tail` says (under EP: the sources'
   // combine slots); false: nothing launched, the caller chains them.
   bool launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
-                          cudaStream_t stream, const MegaTail& tail);
+                          cudaStream_t stream, const MegaTail& tail,
+                          const int32_t* topk_idx = nullptr, int64_t topk_slots = 0);
   void forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                   int64_t num_tokens, uint16_t* y, cudaStream_t stream);
 

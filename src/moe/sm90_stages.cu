@@ -8,6 +8,7 @@
 #include "runtime/cuda_device.hpp"
 #include "runtime/cuda_launch.hpp"
 #include "sm90/sm90_combine.cuh"
+#include "sm90/sm90_decode_front.cuh"
 #include "sm90/sm90_gather.cuh"
 #include "sm90/sm90_quantize_input.cuh"
 #include "sm90/sm90_rebase_rows.cuh"
@@ -32,6 +33,25 @@ void check_aligned(const char* arg, const void* ptr, int64_t alignment) {
                     ": expected a ", alignment, "-byte aligned device pointer, got ", ptr);
 }
 
+// The dispatch warp count of a call (launch_dispatch's rule), at most `limit`.
+int dispatch_warps_for(int64_t num_slots, int64_t num_local, int limit) {
+  // NOTES: the result does not depend on the warp count (a stable sort is unique), so small
+  // calls use fewer warps: at T = 1 the zeroing and scan of 32 histograms of 896 experts were
+  // most of the kernel's time. One warp per kDispatchUnroll chunks of 32 slots, at most the limit
+  // the shared memory allows.
+  const int64_t slots_per_warp = int64_t{kDispatchWarpSize} * kDispatchUnroll;
+  return static_cast<int>(std::clamp<int64_t>((num_slots + slots_per_warp - 1) / slots_per_warp,
+                                              1, std::min(limit, dispatch_num_warps(num_local))));
+}
+
+constexpr size_t kFrontSmemLimit = 48 * 1024;  // no attribute call: graph capture stays clean
+
+size_t front_smem(int64_t num_slots, int64_t num_local) {
+  return static_cast<size_t>(
+             dispatch_warps_for(num_slots, num_local, kFrontBlockThreads / kDispatchWarpSize)) *
+         static_cast<size_t>(num_local) * sizeof(int32_t);
+}
+
 }  // namespace
 
 void load_stage_kernels() {
@@ -41,6 +61,7 @@ void load_stage_kernels() {
   MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_dispatch_topk_kernel));
   MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_gather_dequant_e4m3_bf16_kernel));
   MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_combine_topk_bf16_kernel));
+  MEGAMOE_CUDA_CHECK(cudaFuncGetAttributes(&a, sm90_decode_front_kernel));
 }
 
 void launch_quantize_input(const uint16_t* x, int64_t num_tokens, int64_t hidden, uint8_t* x_q,
@@ -84,14 +105,7 @@ void launch_dispatch(const DispatchParams& params, cudaStream_t stream, bool pro
                     "dispatch: local experts [", params.first_local, ", ",
                     params.first_local + params.num_local, ") do not lie in [0, ",
                     params.num_experts, ")");
-  // NOTES: the result does not depend on the warp count (a stable sort is unique), so small
-  // calls use fewer warps: at T = 1 the zeroing and scan of 32 histograms of 896 experts were
-  // most of the kernel's time. One warp per kDispatchUnroll chunks of 32 slots, at most the limit
-  // the shared memory allows.
-  const int64_t slots_per_warp = int64_t{kDispatchWarpSize} * kDispatchUnroll;
-  const int num_warps = static_cast<int>(std::clamp<int64_t>(
-      (params.num_slots + slots_per_warp - 1) / slots_per_warp, 1,
-      dispatch_num_warps(params.num_local)));
+  const int num_warps = dispatch_warps_for(params.num_slots, params.num_local, kDispatchMaxWarps);
   const size_t smem = static_cast<size_t>(num_warps) * params.num_local * sizeof(int32_t);
   configure_dispatch_smem(smem);
   cuda::launch(sm90_dispatch_topk_kernel, 1, kDispatchMaxWarps * kDispatchWarpSize, smem, stream,
@@ -135,6 +149,51 @@ void launch_rebase_rows_e4m3(const uint8_t* q, const uint8_t* sf, const int32_t*
                grid_for(rows_for_grid * 32, kRebaseBlockThreads), kRebaseBlockThreads, 0, stream,
                programmatic, q, sf, row_offsets, row_slot, static_cast<int32_t>(num_local),
                static_cast<uint32_t>(top_k), static_cast<uint32_t>(cols), max_rows, dst, factor);
+}
+
+bool decode_front_takes(int64_t num_slots, int64_t num_local) {
+  return num_slots >= 1 && num_slots <= kFrontMaxSlots && num_local >= 1 &&
+         num_local <= static_cast<int64_t>(kFrontSmemLimit / sizeof(int32_t)) &&
+         front_smem(num_slots, num_local) <= kFrontSmemLimit;
+}
+
+void launch_decode_front(const uint16_t* x, int64_t num_tokens, int64_t top_k, int64_t hidden,
+                         const DispatchParams& dispatch, uint8_t* x_q, uint8_t* x_sf,
+                         uint16_t* act, cudaStream_t stream, bool programmatic) {
+  MEGAMOE_CHECK_ARG(hidden > 0 && hidden % kScaleBlock == 0,
+                    "decode_front: expected hidden a positive multiple of ", kScaleBlock, ", got ",
+                    hidden);
+  MEGAMOE_CHECK_ARG(top_k > 0 && num_tokens >= 0 && dispatch.num_slots == num_tokens * top_k,
+                    "decode_front: expected top_k > 0 and dispatch.num_slots = T*K, got T = ",
+                    num_tokens, ", K = ", top_k, ", num_slots = ", dispatch.num_slots);
+  MEGAMOE_CHECK_ARG(dispatch.max_rows == 0, "decode_front: expected dispatch.max_rows = 0 (one "
+                    "GPU: T*K rows always fit), got ", dispatch.max_rows);
+  MEGAMOE_CHECK_ARG(dispatch.num_local > 0 && dispatch.first_local >= 0 &&
+                        dispatch.first_local + dispatch.num_local <= dispatch.num_experts,
+                    "decode_front: local experts [", dispatch.first_local, ", ",
+                    dispatch.first_local + dispatch.num_local, ") do not lie in [0, ",
+                    dispatch.num_experts, ")");
+  if (num_tokens == 0) return;
+  MEGAMOE_CHECK_ARG(decode_front_takes(dispatch.num_slots, dispatch.num_local),
+                    "decode_front: expected 1 <= T*K <= ", kFrontMaxSlots, " and the dispatch "
+                    "histograms of ", dispatch.num_local, " local experts in ", kFrontSmemLimit,
+                    " bytes of shared memory, got T*K = ", dispatch.num_slots);
+  check_aligned("decode_front x", x, 16);
+  check_aligned("decode_front x_q", x_q, 8);
+  check_aligned("decode_front act", act, 16);
+  FrontParams p{};
+  p.dispatch = dispatch;
+  p.x = x;
+  p.top_k = static_cast<int32_t>(top_k);
+  p.hidden = static_cast<int32_t>(hidden);
+  p.x_q = x_q;
+  p.x_sf = x_sf;
+  p.act = act;
+  const int warps = dispatch_warps_for(dispatch.num_slots, dispatch.num_local,
+                                       kFrontBlockThreads / kDispatchWarpSize);
+  cuda::launch(sm90_decode_front_kernel, static_cast<int>(1 + dispatch.num_slots),
+               kFrontBlockThreads, front_smem(dispatch.num_slots, dispatch.num_local), stream,
+               programmatic, p, warps);
 }
 
 void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num_tokens,

@@ -59,6 +59,18 @@ void launch_rebase_rows_e4m3(const uint8_t* q, const uint8_t* sf, const int32_t*
                              int64_t cols, int64_t max_rows, uint8_t* dst, float* factor,
                              cudaStream_t stream, bool programmatic = false, int64_t grid_rows = 0);
 
+// Quantize, dispatch and gather in one launch (kernels/sm90/sm90_decode_front.cuh) for a call
+// on one GPU in the exact mode: the same x_q, x_sf, dispatch outputs (dispatch.row_offsets ..
+// dispatch.error; dispatch.max_rows must be 0) and act rows as launch_quantize_input,
+// launch_dispatch and launch_gather, bit for bit. decode_front_takes says whether it takes a call
+// of num_slots = T*K slots over num_local experts (T*K <= kFrontMaxSlots, and the dispatch
+// block's histograms in the default 48 KiB of shared memory); the launcher throws
+// kInvalidArgument for a call it does not take.
+bool decode_front_takes(int64_t num_slots, int64_t num_local);
+void launch_decode_front(const uint16_t* x, int64_t num_tokens, int64_t top_k, int64_t hidden,
+                         const DispatchParams& dispatch, uint8_t* x_q, uint8_t* x_sf,
+                         uint16_t* act, cudaStream_t stream, bool programmatic = false);
+
 void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num_tokens,
                     int64_t top_k, int64_t hidden, uint16_t* y, cudaStream_t stream,
                     bool programmatic = false);

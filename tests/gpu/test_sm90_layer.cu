@@ -153,12 +153,13 @@ struct LayerCase {
   int64_t max_checked_tokens = 1 << 30;  // compare a strided subset beyond this
   std::string gemm_tile = "auto";          // LayerConfig::sm90.gemm_tile
   bool mega = false;                       // LayerConfig::sm90.mega_kernel
+  bool decode_front = true;                // LayerConfig::sm90.decode_front
   std::string describe() const {
     return shape + " ep " + std::to_string(ep_rank) + "/" + std::to_string(ep_size) + " T=" +
            std::to_string(tokens) + " routing=" + test::routing_name(routing) + " act=" +
            (activation.empty() ? "preset" : activation) + (fast_math ? " fast_math" : " exact_math") +
            (bias ? " bias" : "") + " empty=" + std::to_string(empty_fraction) + " tile=" + gemm_tile +
-           (mega ? " mega" : "");
+           (mega ? " mega" : "") + (decode_front ? "" : " no_front");
   }
 };
 
@@ -191,6 +192,7 @@ std::unique_ptr<Sm90Layer> make_layer(const LayerCase& c, LayerConfig* config_ou
   config.fast_math = c.fast_math;
   config.sm90.gemm_tile = c.gemm_tile;
   config.sm90.mega_kernel = c.mega;
+  config.sm90.decode_front = c.decode_front;
   *config_out = config;
   return std::make_unique<Sm90Layer>(config, &sd.prepared);
 }
@@ -711,6 +713,58 @@ TEST(Sm90Layer, ProgrammaticLaunchChangesNothingButTiming) {
   d.routing = Routing::kSkewed;
   d.empty_fraction = 0.1;
   check_programmatic_launch(d, 912);
+}
+
+// The decode front (LayerConfig::sm90.decode_front: quantize, dispatch and gather in one launch)
+// against the three launches: the same workspace and output bit for bit, chained and fused GEMMs,
+// at every decode token count it takes and just above its bound (where both run the three).
+TEST(Sm90Layer, DecodeFrontChangesNothingButTiming) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 3400;
+  struct Shape {
+    const char* name;
+    int ep_size, ep_rank;
+  };
+  for (const Shape& sh : {Shape{"small", 1, 0}, Shape{"deepseek-v3", 1, 0}, Shape{"kimi-k3", 8, 3}}) {
+    for (int64_t t : {int64_t(1), int64_t(8), int64_t(64), int64_t(65), int64_t(129)}) {
+      for (bool mega : {false, true}) {
+        LayerCase c;
+        c.shape = sh.name;
+        c.ep_size = sh.ep_size;
+        c.ep_rank = sh.ep_rank;
+        c.tokens = t;
+        c.routing = t == 8 ? Routing::kSkewed : Routing::kUniform;
+        c.empty_fraction = t == 8 ? 0.1 : 0.0;
+        c.mega = mega;
+        SCOPED_TRACE(c.describe());
+        LayerConfig config;
+        auto with = make_layer(c, &config);
+        c.decode_front = false;
+        auto without = make_layer(c, &config);
+        const LayerShape& s = config.shape;
+        const auto x = test::make_inputs(t, s.hidden, seed);
+        const auto routing = test::make_routing(c.routing, t, s.num_experts, s.top_k, seed++,
+                                                c.empty_fraction, config.first_local_expert());
+        DeviceArray<uint16_t> dx(x), dy(t * s.hidden);
+        DeviceArray<int32_t> didx(routing.idx);
+        DeviceArray<float> dw(routing.weights);
+        LayerRun runs[2];
+        Sm90Layer* layers[2] = {without.get(), with.get()};
+        for (int i = 0; i < 2; ++i) {
+          dy.fill_bytes(0xFF);
+          layers[i]->forward(dx.get(), didx.get(), dw.get(), t, dy.get(), nullptr);
+          layers[i]->check_errors(nullptr);
+          runs[i] = download_run(*layers[i], t, dy);
+        }
+        EXPECT_EQ(runs[1].x_q, runs[0].x_q);
+        EXPECT_EQ(runs[1].x_sf, runs[0].x_sf);
+        EXPECT_EQ(runs[1].slot_to_row, runs[0].slot_to_row);
+        EXPECT_EQ(runs[1].h_q, runs[0].h_q);
+        EXPECT_EQ(runs[1].h_sf, runs[0].h_sf);
+        EXPECT_EQ(runs[1].y, runs[0].y);
+      }
+    }
+  }
 }
 
 TEST(Sm90Layer, InvalidExpertIdsAreReportedAndTreatedAsEmpty) {

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <algorithm>
 #include <limits>
+#include <memory>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -352,6 +354,137 @@ TEST(Sm90Stages, CombineSumsSlotsInOrderBitForBit) {
         bad += got[t * c.hidden + n] != bf16_from_f32(acc);
       }
     EXPECT_EQ(bad, 0) << "T=" << c.tokens << " H=" << c.hidden << " K=" << c.top_k;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// decode front: one launch with the same outputs as quantize + dispatch + gather, bit for bit
+// (routing of every kind, empty slots, invalid ids, a rank's share of the experts, non-finite
+// inputs, T*K from 1 to the launcher's bound); and the bound itself.
+// ---------------------------------------------------------------------------------------------
+struct FrontCase {
+  int64_t tokens, hidden, num_experts, top_k, ep_size, ep_rank;
+  Routing routing;
+  double empty_fraction;
+  int num_invalid;
+};
+
+void check_decode_front(const FrontCase& c, uint64_t seed) {
+  const int64_t num_local = c.num_experts / c.ep_size, first_local = num_local * c.ep_rank;
+  const int64_t slots = c.tokens * c.top_k;
+  auto x = test::make_inputs(c.tokens, c.hidden, seed);
+  x[0] = bf16_from_f32(std::numeric_limits<float>::quiet_NaN());
+  x[static_cast<size_t>(c.hidden / 2 + 1)] = bf16_from_f32(-std::numeric_limits<float>::infinity());
+  auto routing = test::make_routing(c.routing, c.tokens, c.num_experts, c.top_k, seed,
+                                    c.empty_fraction, first_local);
+  detail::SplitMix64 rng(seed);
+  for (int i = 0; i < c.num_invalid; ++i) {
+    const int64_t s = static_cast<int64_t>(rng.below(slots));
+    routing.idx[s] = (i % 2 == 0) ? static_cast<int32_t>(c.num_experts + i) : -7 - i;
+  }
+  DeviceArray<uint16_t> dx(x);
+  DeviceArray<int32_t> didx(routing.idx);
+  DeviceArray<float> dw(routing.weights);
+  // Two workspaces, filled with different garbage: [0] the three launches, [1] the front.
+  struct Outputs {
+    DeviceArray<uint8_t> xq, xsf;
+    DeviceArray<int32_t> offsets, s2r, row_slot;
+    DeviceArray<float> row_w;
+    DeviceArray<DispatchError> err;
+    DeviceArray<uint16_t> act;
+  };
+  std::vector<std::unique_ptr<Outputs>> o;
+  DispatchParams p[2];
+  for (int i = 0; i < 2; ++i) {
+    o.push_back(std::make_unique<Outputs>(Outputs{
+        DeviceArray<uint8_t>(c.tokens * c.hidden), DeviceArray<uint8_t>(c.tokens * c.hidden / kScaleBlock),
+        DeviceArray<int32_t>(num_local + 1), DeviceArray<int32_t>(slots), DeviceArray<int32_t>(slots),
+        DeviceArray<float>(slots), DeviceArray<DispatchError>(1), DeviceArray<uint16_t>(slots * c.hidden)}));
+    Outputs& w = *o.back();
+    for (auto* a : {&w.xq, &w.xsf}) a->fill_bytes(i == 0 ? 0x5A : 0xA5);
+    w.offsets.fill_bytes(i == 0 ? 0x5A : 0xA5);
+    w.s2r.fill_bytes(i == 0 ? 0x5A : 0xA5);
+    w.row_slot.fill_bytes(i == 0 ? 0x5A : 0xA5);
+    w.row_w.fill_bytes(i == 0 ? 0x5A : 0xA5);
+    w.act.fill_bytes(i == 0 ? 0x5A : 0xA5);
+    w.err.upload({DispatchError{kDispatchNoError, 0}});
+    p[i] = DispatchParams{};
+    p[i].topk_idx = didx.get();
+    p[i].topk_weights = dw.get();
+    p[i].num_slots = slots;
+    p[i].num_experts = static_cast<int32_t>(c.num_experts);
+    p[i].first_local = static_cast<int32_t>(first_local);
+    p[i].num_local = static_cast<int32_t>(num_local);
+    p[i].row_offsets = w.offsets.get();
+    p[i].slot_to_row = w.s2r.get();
+    p[i].row_slot = w.row_slot.get();
+    p[i].row_weights = w.row_w.get();
+    p[i].error = w.err.get();
+  }
+  launch_quantize_input(dx.get(), c.tokens, c.hidden, o[0]->xq.get(), o[0]->xsf.get(), nullptr);
+  launch_dispatch(p[0], nullptr);
+  launch_gather(o[0]->xq.get(), o[0]->xsf.get(), o[0]->offsets.get(), o[0]->row_slot.get(),
+                num_local, c.top_k, c.hidden, slots, o[0]->act.get(), nullptr);
+  ASSERT_TRUE(decode_front_takes(slots, num_local));
+  launch_decode_front(dx.get(), c.tokens, c.top_k, c.hidden, p[1], o[1]->xq.get(), o[1]->xsf.get(),
+                      o[1]->act.get(), nullptr);
+  MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+
+  const std::string what = "T=" + std::to_string(c.tokens) + " H=" + std::to_string(c.hidden) +
+                           " E=" + std::to_string(c.num_experts) + " K=" + std::to_string(c.top_k) +
+                           " ep " + std::to_string(c.ep_rank) + "/" + std::to_string(c.ep_size) +
+                           " routing " + test::routing_name(c.routing) + " invalid " +
+                           std::to_string(c.num_invalid);
+  EXPECT_EQ(o[1]->xq.download(), o[0]->xq.download()) << what;
+  EXPECT_EQ(o[1]->xsf.download(), o[0]->xsf.download()) << what;
+  const auto offsets = o[0]->offsets.download();
+  ASSERT_EQ(o[1]->offsets.download(), offsets) << what;
+  EXPECT_EQ(o[1]->s2r.download(), o[0]->s2r.download()) << what;
+  const int64_t rows = offsets.back();
+  EXPECT_EQ(o[1]->row_slot.download(rows), o[0]->row_slot.download(rows)) << what;
+  EXPECT_EQ(o[1]->row_w.download(rows), o[0]->row_w.download(rows)) << what;
+  EXPECT_EQ(o[1]->act.download(rows * c.hidden), o[0]->act.download(rows * c.hidden)) << what;
+  const DispatchError e0 = o[0]->err.download()[0], e1 = o[1]->err.download()[0];
+  EXPECT_EQ(e1.first_bad, e0.first_bad) << what;
+  EXPECT_EQ(e1.num_bad, e0.num_bad) << what;
+  if (c.num_invalid > 0) EXPECT_GT(e0.num_bad, 0u) << what;
+}
+
+TEST(Sm90Stages, DecodeFrontEqualsQuantizeDispatchGather) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 300;
+  const Routing kinds[] = {Routing::kUniform, Routing::kSkewed, Routing::kAdversarial};
+  for (Routing r : kinds) {
+    const FrontCase cases[] = {
+        {1, 1024, 32, 4, 1, 0, r, 0.0, 0},     {7, 1024, 32, 4, 1, 0, r, 0.2, 0},
+        {1, 7168, 256, 8, 1, 0, r, 0.0, 0},    {8, 7168, 256, 8, 1, 0, r, 0.0, 0},
+        {128, 7168, 256, 8, 1, 0, r, 0.05, 0}, {1, 3584, 896, 16, 1, 0, r, 0.0, 0},
+        {64, 3584, 896, 16, 1, 0, r, 0.0, 0},  {37, 3584, 896, 16, 8, 3, r, 0.1, 0},
+        {3, 1056, 64, 1, 1, 0, r, 0.0, 0},
+    };
+    for (const auto& c : cases) check_decode_front(c, seed++);
+  }
+  check_decode_front({64, 1024, 32, 4, 1, 0, Routing::kUniform, 0.1, 5}, seed++);
+  check_decode_front({1, 7168, 256, 8, 1, 0, Routing::kUniform, 0.0, 1}, seed++);
+  check_decode_front({64, 3584, 896, 16, 8, 2, Routing::kSkewed, 0.0, 9}, seed++);
+}
+
+TEST(Sm90Stages, DecodeFrontRefusesCallsAboveItsBound) {
+  MEGAMOE_REQUIRE_SM90();
+  EXPECT_TRUE(decode_front_takes(kFrontMaxSlots, 896));
+  EXPECT_FALSE(decode_front_takes(kFrontMaxSlots + 1, 896));
+  EXPECT_FALSE(decode_front_takes(0, 896));
+  EXPECT_FALSE(decode_front_takes(16, 1 << 20));  // the dispatch histogram does not fit
+  DispatchParams p{};
+  p.num_slots = (kFrontMaxSlots / 16 + 1) * 16;
+  p.num_experts = 896;
+  p.num_local = 896;
+  try {
+    launch_decode_front(nullptr, p.num_slots / 16, 16, 3584, p, nullptr, nullptr, nullptr, nullptr);
+    FAIL() << "expected InvalidArgument";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("T*K <= 1024"), std::string::npos) << e.what();
   }
 }
 

@@ -353,6 +353,10 @@ def test_hopper_options_are_layer_options():
     cfg.mega_kernel = True
     assert megamoe.LayerConfig("small", mega_kernel=True).mega_kernel
     assert "mega_kernel=True" in repr(cfg)
+    assert cfg.decode_front and "decode_front" not in repr(cfg)
+    cfg.decode_front = False
+    assert "decode_front=False" in repr(cfg)
+    assert not megamoe.LayerConfig("small", decode_front=False).decode_front
     with pytest.raises(megamoe.InvalidArgumentError, match="decode_128x16_k2_warp"):
         megamoe.LayerConfig("small", gemm_tile="decode")  # names the tiles it accepts
     with pytest.raises(megamoe.InvalidArgumentError, match="gated, bound or expected"):

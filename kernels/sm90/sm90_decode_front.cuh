@@ -1,0 +1,112 @@
+// sm90_decode_front.cuh: stages 1-3 of the layer (quantize, dispatch, gather) in one launch, for
+// decode-sized calls on one GPU in the exact mode (launch_decode_front: T*K <= kFrontMaxSlots).
+//
+// Inputs: x bf16 [T, H], topk_idx / topk_weights [T, K] (DispatchParams). Outputs: the same
+// workspace the three separate kernels write, bit for bit:
+//   x_q, x_sf                       the quantize kernel's (sm90_quantize_input.cuh)
+//   row_offsets, slot_to_row,
+//   row_slot, row_weights, error    the dispatch kernel's (sm90_dispatch.cuh)
+//   act [rows, H]                   the gather kernel's (sm90_gather.cuh)
+//
+// Block 0 runs the dispatch sort (dispatch_sort, with the dispatch kernel's warp count rule).
+// Block 1 + s serves slot s (token t = s / K): it quantizes row t of x with the quantize kernel's
+// per-chunk code; the block of k = 0 stores x_q / x_sf of the token; when the slot has a local
+// expert e, the block finds the slot's row without waiting for block 0,
+//   r = #{local slots of experts < e} + #{slots of e before s},
+// which is where the stable counting sort puts it (the sort is unique), with one
+// __syncthreads_count per kFrontBlockThreads slots, and stores act[r] as the gather does.
+// NOTES: why: at T = 1 the three launches take 6-7 us of a ~90 us layer, mostly the latency of
+// each dependent launch and of its one-CTA or one-row work (docs/perf.md); here every slot's row
+// is converted in parallel and no block waits for another. Each slot's block quantizes its token
+// again (K times per token, from L2), which is why the launcher caps T*K.
+#pragma once
+
+#include <cstdint>
+
+#include "megamoe/formats.hpp"
+#include "sm90/sm90_dispatch_sort.cuh"
+#include "sm90/sm90_dispatch_types.hpp"
+#include "sm90/sm90_gather.cuh"
+#include "sm90/sm90_quantize_input.cuh"
+#include "ptx/sm90_ptx.cuh"
+
+namespace megamoe::sm90 {
+
+constexpr int kFrontBlockThreads = 256;
+static_assert(kFrontBlockThreads % (kQuantThreadsPerGroup * 32) == 0, "whole warps of groups");
+
+struct FrontParams {
+  DispatchParams dispatch;  // max_rows 0: T*K rows always fit
+  const uint16_t* x;        // bf16 [T, H]
+  int32_t top_k;
+  int32_t hidden;           // H % 32 == 0
+  uint8_t* x_q;             // e4m3 [T, H]
+  uint8_t* x_sf;            // ue8m0 [T, H/32]
+  uint16_t* act;            // bf16 [T*K, H]
+};
+
+// Row of slot s, whose local expert is e >= 0 (the whole block calls it with the same s and e).
+__device__ __forceinline__ int32_t front_slot_row(const DispatchParams& p, int64_t s, int32_t e) {
+  int32_t before = 0;
+  for (int64_t base = 0; base < p.num_slots; base += blockDim.x) {
+    const int64_t other = base + threadIdx.x;
+    bool earlier = false;
+    if (other < p.num_slots) {
+      const int32_t e2 = dispatch_local_expert<false>(p, __ldg(p.topk_idx + other), other);
+      earlier = e2 >= 0 && (e2 < e || (e2 == e && other < s));
+    }
+    before += __syncthreads_count(earlier);
+  }
+  return before;
+}
+
+// Grid 1 + T*K blocks of kFrontBlockThreads; dynamic shared memory dispatch_warps * E_l int32.
+__global__ void __launch_bounds__(kFrontBlockThreads)
+sm90_decode_front_kernel(const FrontParams p, int dispatch_warps) {
+  extern __shared__ int32_t hist[];  // block 0: [dispatch_warps][num_local]
+  __shared__ int32_t warp_totals[kDispatchMaxWarps];
+  // PDL: the previous layer call's GEMMs and combine may read this workspace until this returns.
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
+  const DispatchParams& d = p.dispatch;
+  if (blockIdx.x == 0) {
+    dispatch_sort(d, LocalSlots{d.topk_idx, d.topk_weights}, dispatch_warps, hist, warp_totals);
+    return;
+  }
+
+  // ---- slot s: its row, then its token's codes ----
+  const int64_t s = blockIdx.x - 1;
+  const int32_t e = dispatch_local_expert<false>(d, __ldg(d.topk_idx + s), s);  // block 0 records
+  const int32_t row = e >= 0 ? front_slot_row(d, s, e) : -1;
+  const bool stores_codes = s % p.top_k == 0;
+  if (row < 0 && !stores_codes) return;  // uniform over the block
+  const int64_t t = s / p.top_k;
+  const int chunks = p.hidden / kQuantVec;  // a multiple of kQuantThreadsPerGroup
+  const uint4* x_row = reinterpret_cast<const uint4*>(p.x + t * p.hidden);
+  // Loop bound in whole warps so that every lane of a group reaches quantize_chunk's shuffles.
+  const int bound = (chunks + 31) / 32 * 32;
+  for (int c = threadIdx.x; c < bound; c += blockDim.x) {
+    const bool active = c < chunks;
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    if (active) raw = __ldg(x_row + c);
+    uint32_t packed[2];
+    const int b = quantize_chunk(raw, packed);
+    if (!active) continue;
+    if (stores_codes) {
+      reinterpret_cast<uint2*>(p.x_q + t * p.hidden)[c] = make_uint2(packed[0], packed[1]);
+      if (c % kQuantThreadsPerGroup == 0)
+        p.x_sf[t * (p.hidden / kScaleBlock) + c / kQuantThreadsPerGroup] = static_cast<uint8_t>(b);
+    }
+    if (row >= 0) {
+      const float scale = ue8m0_to_f32(static_cast<uint8_t>(b));
+      uint4 out;
+      out.x = dequant_e4m3x2_bf16x2(static_cast<uint16_t>(packed[0] & 0xFFFFu), scale);
+      out.y = dequant_e4m3x2_bf16x2(static_cast<uint16_t>(packed[0] >> 16), scale);
+      out.z = dequant_e4m3x2_bf16x2(static_cast<uint16_t>(packed[1] & 0xFFFFu), scale);
+      out.w = dequant_e4m3x2_bf16x2(static_cast<uint16_t>(packed[1] >> 16), scale);
+      reinterpret_cast<uint4*>(p.act + static_cast<int64_t>(row) * p.hidden)[c] = out;
+    }
+  }
+}
+
+}  // namespace megamoe::sm90
