@@ -43,14 +43,15 @@ struct LocalSlots {
   __device__ __forceinline__ int32_t row_slot(int64_t s) const { return static_cast<int32_t>(s); }
 };
 
-// The counting sort of the slots [0, p.num_slots) that `slots` reads (see the top of the file).
-// Block size kDispatchMaxWarps * 32; the first `num_warps` warps take part in the passes.
-// hist: dynamic shared memory of num_warps * num_local int32. Rows above p.max_rows (when
-// nonzero) are never written: the sort then leaves every expert empty and returns false.
+// The counting sort's pass 1 and scan (see the top of the file): row_offsets written, and
+// hist[w][e] left as the first row of warp w's slots of expert e (pass 2's cursors). Block size
+// up to kDispatchMaxWarps * 32; the first `num_warps` warps take part in the pass. hist: dynamic
+// shared memory of num_warps * num_local int32. Rows above p.max_rows (when nonzero) are never
+// written: every expert is then left empty and it returns false.
 template <class Slots>
-__device__ __forceinline__ bool dispatch_sort(const DispatchParams& p, const Slots& slots,
-                                              int num_warps, int32_t* hist,
-                                              int32_t* warp_totals) {
+__device__ __forceinline__ bool dispatch_count(const DispatchParams& p, const Slots& slots,
+                                               int num_warps, int32_t* hist,
+                                               int32_t* warp_totals) {
   constexpr unsigned kFullMask = 0xFFFFFFFFu;
   const int lane = threadIdx.x % kDispatchWarpSize;
   const int warp = threadIdx.x / kDispatchWarpSize;
@@ -132,8 +133,19 @@ __device__ __forceinline__ bool dispatch_sort(const DispatchParams& p, const Slo
     for (int e = threadIdx.x; e <= num_local; e += blockDim.x) p.row_offsets[e] = 0;
     return false;
   }
+  return true;
+}
 
-  // ---- pass 2: stable placement ----
+// The counting sort's pass 2, after dispatch_count (the same block, slots and num_warps):
+// slot_to_row, row_slot and row_weights.
+template <class Slots>
+__device__ __forceinline__ void dispatch_place(const DispatchParams& p, const Slots& slots,
+                                               int num_warps, int32_t* hist) {
+  constexpr unsigned kFullMask = 0xFFFFFFFFu;
+  const int lane = threadIdx.x % kDispatchWarpSize;
+  const int warp = threadIdx.x / kDispatchWarpSize;
+  const int num_local = p.num_local;
+  const int64_t segment = (p.num_slots + num_warps - 1) / num_warps;
   if (warp < num_warps) {
     const int64_t begin = warp * segment;
     const int64_t end = min(begin + segment, p.num_slots);
@@ -172,6 +184,18 @@ __device__ __forceinline__ bool dispatch_sort(const DispatchParams& p, const Slo
       }
     }
   }
+}
+
+// The counting sort of the slots [0, p.num_slots) that `slots` reads (see the top of the file):
+// dispatch_count, then dispatch_place unless the rows exceed p.max_rows (false: every expert
+// left empty, nothing placed).
+template <class Slots>
+__device__ __forceinline__ bool dispatch_sort(const DispatchParams& p, const Slots& slots,
+                                              int num_warps, int32_t* hist,
+                                              int32_t* warp_totals) {
+  if (!dispatch_count(p, slots, num_warps, hist, warp_totals)) return false;
+  dispatch_place(p, slots, num_warps, hist);  // dispatch_count's last barrier follows the cursors'
+                                              // last write
   return true;
 }
 

@@ -189,9 +189,22 @@ void launch_decode_front(const uint16_t* x, int64_t num_tokens, int64_t top_k, i
   p.x_q = x_q;
   p.x_sf = x_sf;
   p.act = act;
+  // NOTES: each slot's row is cut into parts of one chunk per thread while the grid stays
+  // within one wave of blocks (~1 + T*K*parts <= 4 per SM), up to kFrontChunksPerThread chunks
+  // per thread above: a whole row per block left H = 7168 (DeepSeek-V3) at T = 1 no faster than
+  // the three launches (docs/tuning-log.md v26).
+  const int64_t chunks = hidden / kQuantVec;
+  const int64_t wave = int64_t{4} * cuda::device_info().sm_count;
+  int64_t span = kFrontBlockThreads;
+  while (span < int64_t{kFrontBlockThreads} * kFrontChunksPerThread &&
+         dispatch.num_slots * ((chunks + span - 1) / span) > wave) {
+    span *= 2;
+  }
+  p.chunk_span = static_cast<int32_t>(span);
+  p.parts = static_cast<int32_t>((chunks + span - 1) / span);
   const int warps = dispatch_warps_for(dispatch.num_slots, dispatch.num_local,
                                        kFrontBlockThreads / kDispatchWarpSize);
-  cuda::launch(sm90_decode_front_kernel, static_cast<int>(1 + dispatch.num_slots),
+  cuda::launch(sm90_decode_front_kernel, static_cast<int>(1 + dispatch.num_slots * p.parts),
                kFrontBlockThreads, front_smem(dispatch.num_slots, dispatch.num_local), stream,
                programmatic, p, warps);
 }
