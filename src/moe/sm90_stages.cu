@@ -33,6 +33,14 @@ void check_aligned(const char* arg, const void* ptr, int64_t alignment) {
                     ": expected a ", alignment, "-byte aligned device pointer, got ", ptr);
 }
 
+// The local experts of a dispatch lie in [0, E).
+void check_local_experts(const char* stage, const DispatchParams& p) {
+  MEGAMOE_CHECK_ARG(p.num_local > 0 && p.first_local >= 0 &&
+                        p.first_local + p.num_local <= p.num_experts,
+                    stage, ": local experts [", p.first_local, ", ", p.first_local + p.num_local,
+                    ") do not lie in [0, ", p.num_experts, ")");
+}
+
 // The dispatch warp count of a call (launch_dispatch's rule), at most `limit`.
 int dispatch_warps_for(int64_t num_slots, int64_t num_local, int limit) {
   // NOTES: the result does not depend on the warp count (a stable sort is unique), so small
@@ -100,11 +108,7 @@ void configure_dispatch_smem(size_t smem_bytes) {
 void launch_dispatch(const DispatchParams& params, cudaStream_t stream, bool programmatic) {
   MEGAMOE_CHECK_ARG(params.num_slots >= 0 && params.num_slots <= INT32_MAX,
                     "dispatch: expected 0 <= T*K <= 2^31-1, got ", params.num_slots);
-  MEGAMOE_CHECK_ARG(params.num_local > 0 && params.first_local >= 0 &&
-                        params.first_local + params.num_local <= params.num_experts,
-                    "dispatch: local experts [", params.first_local, ", ",
-                    params.first_local + params.num_local, ") do not lie in [0, ",
-                    params.num_experts, ")");
+  check_local_experts("dispatch", params);
   const int num_warps = dispatch_warps_for(params.num_slots, params.num_local, kDispatchMaxWarps);
   const size_t smem = static_cast<size_t>(num_warps) * params.num_local * sizeof(int32_t);
   configure_dispatch_smem(smem);
@@ -168,11 +172,7 @@ void launch_decode_front(const uint16_t* x, int64_t num_tokens, int64_t top_k, i
                     num_tokens, ", K = ", top_k, ", num_slots = ", dispatch.num_slots);
   MEGAMOE_CHECK_ARG(dispatch.max_rows == 0, "decode_front: expected dispatch.max_rows = 0 (one "
                     "GPU: T*K rows always fit), got ", dispatch.max_rows);
-  MEGAMOE_CHECK_ARG(dispatch.num_local > 0 && dispatch.first_local >= 0 &&
-                        dispatch.first_local + dispatch.num_local <= dispatch.num_experts,
-                    "decode_front: local experts [", dispatch.first_local, ", ",
-                    dispatch.first_local + dispatch.num_local, ") do not lie in [0, ",
-                    dispatch.num_experts, ")");
+  check_local_experts("decode_front", dispatch);
   if (num_tokens == 0) return;
   MEGAMOE_CHECK_ARG(decode_front_takes(dispatch.num_slots, dispatch.num_local),
                     "decode_front: expected 1 <= T*K <= ", kFrontMaxSlots, " and the dispatch "

@@ -715,17 +715,20 @@ TEST(Sm90Layer, ProgrammaticLaunchChangesNothingButTiming) {
   check_programmatic_launch(d, 912);
 }
 
+// A shape at one rank's share of the experts (ep_size, ep_rank; no expert-parallel runtime).
+struct ShapeRank {
+  const char* name;
+  int ep_size, ep_rank;
+};
+
 // The decode front (LayerConfig::sm90.decode_front: quantize, dispatch and gather in one launch)
 // against the three launches: the same workspace and output bit for bit, chained and fused GEMMs,
 // at every decode token count it takes and just above its bound (where both run the three).
 TEST(Sm90Layer, DecodeFrontChangesNothingButTiming) {
   MEGAMOE_REQUIRE_SM90();
   uint64_t seed = 3400;
-  struct Shape {
-    const char* name;
-    int ep_size, ep_rank;
-  };
-  for (const Shape& sh : {Shape{"small", 1, 0}, Shape{"deepseek-v3", 1, 0}, Shape{"kimi-k3", 8, 3}}) {
+  for (const ShapeRank& sh :
+       {ShapeRank{"small", 1, 0}, ShapeRank{"deepseek-v3", 1, 0}, ShapeRank{"kimi-k3", 8, 3}}) {
     for (int64_t t : {int64_t(1), int64_t(8), int64_t(64), int64_t(65), int64_t(129)}) {
       for (bool mega : {false, true}) {
         LayerCase c;
@@ -1022,11 +1025,8 @@ LayerCase mega_case(const char* shape, int64_t t, Routing routing = Routing::kUn
 TEST(Sm90Layer, MegaKernelEqualsTheChainBitForBit) {
   MEGAMOE_REQUIRE_SM90();
   uint64_t seed = 3200;
-  struct Shape {
-    const char* name;
-    int ep_size, ep_rank;
-  };
-  for (const Shape& sh : {Shape{"small", 1, 0}, Shape{"deepseek-v3", 1, 0}, Shape{"kimi-k3", 8, 3}}) {
+  for (const ShapeRank& sh :
+       {ShapeRank{"small", 1, 0}, ShapeRank{"deepseek-v3", 1, 0}, ShapeRank{"kimi-k3", 8, 3}}) {
     for (const char* tile : {"decode_128x8_k4_warp", "decode_128x16_k2_warp", "decode_128x16_k1_warp"}) {
       for (int64_t t : {int64_t(1), int64_t(8), int64_t(64), int64_t(300)}) {
         for (Routing routing : {Routing::kUniform, Routing::kSkewed, Routing::kAdversarial}) {
