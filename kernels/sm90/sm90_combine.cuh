@@ -19,34 +19,22 @@ namespace megamoe::sm90 {
 constexpr int kCombineVec = 8;
 constexpr int kCombineBlockThreads = 256;
 
-constexpr int kCombineBatch = 16;  // slots whose rows are loaded before any is added
+constexpr int kCombineBatch = 8;  // slots whose rows are loaded before any is added
 
 // The launcher guarantees T * H / kCombineVec < 2^32 (32-bit item indices).
 // NOTES: the rows of kCombineBatch slots are loaded before the first add (independent loads in
 // flight); loading and adding one slot at a time left the kernel latency-bound (about half the
-// bandwidth at T = 8192, K = 16). The adds stay in ascending k. The row ids of a thread's first
-// token are read before the dependency wait: slot_to_row is written two or more launches back
-// (the dispatch or the decode front; the previous kernel is L2 or the MegaMoE kernel), so at
-// T = 1 only the rows' loads remain after the wait (one round trip instead of four with 8-slot
-// batches whose ids were read after it).
+// bandwidth at T = 8192, K = 16). The adds stay in ascending k.
 __global__ void __launch_bounds__(kCombineBlockThreads)
 sm90_combine_topk_bf16_kernel(const uint16_t* __restrict__ out,
                               const int32_t* __restrict__ slot_to_row, uint32_t num_tokens,
                               int32_t top_k, uint32_t hidden, uint16_t* __restrict__ y) {
+  ptx::grid_dependency_wait();  // PDL: L2's out is read below
+  ptx::launch_dependents();
   const uint32_t chunks_per_row = hidden / kCombineVec;
   const uint32_t total = num_tokens * chunks_per_row;
   const uint32_t stride = gridDim.x * blockDim.x;
-  const uint32_t first = blockIdx.x * blockDim.x + threadIdx.x;
-  // The ids of slots [0, kCombineBatch) of the first item's token, before the wait.
-  int32_t r[kCombineBatch];
-  const int32_t* first_rows =
-      slot_to_row + static_cast<size_t>(first < total ? first / chunks_per_row : 0) * top_k;
-#pragma unroll
-  for (int b = 0; b < kCombineBatch; ++b)
-    r[b] = first < total && b < top_k ? __ldcg(first_rows + b) : -1;
-  ptx::grid_dependency_wait();  // PDL: L2's out is read below
-  ptx::launch_dependents();
-  for (uint32_t i = first; i < total; i += stride) {
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
     const uint32_t t = i / chunks_per_row;
     const uint32_t c = i - t * chunks_per_row;
     const int32_t* rows = slot_to_row + static_cast<size_t>(t) * top_k;
@@ -54,11 +42,10 @@ sm90_combine_topk_bf16_kernel(const uint16_t* __restrict__ out,
 #pragma unroll
     for (int j = 0; j < kCombineVec; ++j) acc[j] = 0.0f;
     for (int k0 = 0; k0 < top_k; k0 += kCombineBatch) {
-      if (i != first || k0 != 0) {
-#pragma unroll
-        for (int b = 0; b < kCombineBatch; ++b) r[b] = k0 + b < top_k ? __ldg(rows + k0 + b) : -1;
-      }
+      int32_t r[kCombineBatch];
       uint4 v[kCombineBatch];
+#pragma unroll
+      for (int b = 0; b < kCombineBatch; ++b) r[b] = k0 + b < top_k ? __ldg(rows + k0 + b) : -1;
 #pragma unroll
       for (int b = 0; b < kCombineBatch; ++b)
         v[b] = r[b] >= 0 ? __ldg(reinterpret_cast<const uint4*>(out + static_cast<size_t>(r[b]) * hidden) + c)
