@@ -9,18 +9,19 @@
 //   act [rows, H]                   the gather kernel's (sm90_gather.cuh)
 //
 // Block 0 runs the dispatch sort's count and scan (dispatch_count, with the dispatch kernel's warp
-// count rule): row_offsets. Block 1 + s serves slot s (token t = s / K): it quantizes row t of x
-// with the quantize kernel's per-chunk code; the block of k = 0 stores x_q / x_sf of the token;
-// it records the slot's id if invalid, and when the slot has a local expert e it finds the slot's
-// row without waiting for block 0,
+// count rule): row_offsets. Blocks 1 + s * parts + part serve slot s (token t = s / K), each a
+// range of chunk_span 8-channel chunks of the row: they quantize their part of row t of x with
+// the quantize kernel's per-chunk code (the blocks of k = 0 store x_q / x_sf of the token), and
+// when the slot has a local expert e they find the slot's row without waiting for block 0,
 //   r = #{local slots of experts < e} + #{slots of e before s},
 // which is where the stable counting sort puts it (the sort is unique), with one
-// __syncthreads_count per kFrontBlockThreads slots; it writes slot_to_row[s], row_slot[r],
-// row_weights[r] (the sort's pass 2) and act[r] as the gather does.
+// __syncthreads_count per kFrontBlockThreads slots, and write their part of act[r] as the gather
+// does; part 0 records the slot's id if invalid and writes slot_to_row[s], row_slot[r] and
+// row_weights[r] (the sort's pass 2).
 // NOTES: why: at T = 1 the three launches take 6-7 us of a ~90 us layer, mostly the latency of
 // each dependent launch and of its one-CTA or one-row work (docs/perf.md); here every slot's row
-// is converted in parallel and no block waits for another. Each slot's block quantizes its token
-// again (K times per token, from L2), which is why the launcher caps T*K.
+// is converted in parallel and no block waits for another. Each slot's blocks quantize their
+// token again (K times per token, from L2), which is why the launcher caps T*K.
 #pragma once
 
 #include <cstdint>
