@@ -49,8 +49,7 @@ class Command {
 std::vector<CommandInfo> registered_commands();
 
 // The Hopper backend's options as flags (`run`, `bench`): --tile, --no-pdl, --mega,
-// --no-decode-front, --rows-hint, mapped
-// onto LayerConfig::sm90 (validated with the config).
+// --no-decode-front, --rows-hint, mapped onto LayerConfig::sm90 (validated with the config).
 struct Sm90Flags {
   std::string tile = "auto";
   bool no_pdl = false;

@@ -374,7 +374,8 @@ int run_bench(const BenchOptions& o) {
                 config.activation.to_string().c_str(), o.exact ? "exact math" : "fast_math",
                 to_string(config.precision), (long long)config.fp8_min_rows_per_expert,
                 config.sm90.mega_kernel ? "MegaMoE kernel where it applies" : "chained",
-                config.sm90.decode_front ? "on" : "off", weight_bytes / 1e9, gen_s, num_weight_copies, num_weight_copies == 1 ? "y" : "ies");
+                config.sm90.decode_front ? "on" : "off", weight_bytes / 1e9, gen_s,
+                num_weight_copies, num_weight_copies == 1 ? "y" : "ies");
     std::printf("%8s %6s %10s %10s %9s %9s %9s %9s %7s %7s %7s | %s\n", "tokens", "sets",
                 "median_us", "min_us", "TFLOP/s", "wGB/s", "floor_us", "t_mem_us", "f_floor",
                 "f_bf16", "f_fp8", "stages: us (% of layer)");

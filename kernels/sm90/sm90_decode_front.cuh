@@ -18,8 +18,8 @@
 // __syncthreads_count per kFrontBlockThreads slots, and write their part of act[r] as the gather
 // does; part 0 records the slot's id if invalid and writes slot_to_row[s], row_slot[r] and
 // row_weights[r] (the sort's pass 2).
-// NOTES: why: at T = 1 the three launches take 6-7 us of a ~90 us layer, mostly the latency of
-// each dependent launch and of its one-CTA or one-row work (docs/perf.md); here every slot's row
+// NOTES: why: at decode sizes the three launches cost mostly the latency of each dependent launch
+// and of its one-CTA or one-row work (docs/perf.md, "The decode front"); here every slot's row
 // is converted in parallel and no block waits for another. Each slot's blocks quantize their
 // token again (K times per token, from L2), which is why the launcher caps T*K.
 #pragma once
@@ -90,8 +90,8 @@ sm90_decode_front_kernel(const FrontParams p, int dispatch_warps) {
   // slot's row, then the codes ----
   // NOTES: the loads of the token's row are issued before the ids are read: the id scan's and
   // the row's latencies overlap (each thread holds up to kFrontChunksPerThread 16-byte chunks).
-  // A slot's row is cut over `parts` blocks (launch_decode_front): one block per slot held the
-  // row's quantization on one SM (no gain at H = 7168).
+  // A slot's row is cut over `parts` blocks (launch_decode_front), so that a long row is not
+  // quantized by one SM alone.
   const int64_t s = (blockIdx.x - 1) / p.parts;
   const int part = static_cast<int>((blockIdx.x - 1) % p.parts);
   const int64_t t = s / p.top_k;

@@ -359,12 +359,11 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   auto done = [&](Stage stage) { return static_cast<int>(stage) >= static_cast<int>(last); };
 
   // The launches (six; four with the decode front) form a programmatic-dependent-launch chain
-  // (config.sm90.programmatic_launch):
-  // each kernel waits for its predecessor on the device before touching its data; every kernel
-  // but the prefill GEMM tiles lets its successor start early (after its own wait), and the decode
-  // GEMMs build their schedules and start streaming weights before their wait and take their
-  // work units at run time (L1Args::programmatic, SplitKWorkspace::unit_counter;
-  // docs/design.md).
+  // (config.sm90.programmatic_launch): each kernel waits for its predecessor on the device before
+  // touching its data; every kernel but the prefill GEMM tiles lets its successor start early
+  // (after its own wait), and the decode GEMMs build their schedules and start streaming weights
+  // before their wait and take their work units at run time (L1Args::programmatic,
+  // SplitKWorkspace::unit_counter; docs/design.md).
   const bool pdl = programmatic_;
   // An invalid expert id seen by an earlier call (the flag is host memory: no wait) is reported
   // now, before anything is launched; under graph capture nothing may synchronize, so the check

@@ -54,10 +54,12 @@ int dispatch_warps_for(int64_t num_slots, int64_t num_local, int limit) {
 
 constexpr size_t kFrontSmemLimit = 48 * 1024;  // no attribute call: graph capture stays clean
 
-size_t front_smem(int64_t num_slots, int64_t num_local) {
-  return static_cast<size_t>(
-             dispatch_warps_for(num_slots, num_local, kFrontBlockThreads / kDispatchWarpSize)) *
-         static_cast<size_t>(num_local) * sizeof(int32_t);
+// The decode front's dispatch warps (block 0) and their histograms' shared memory.
+int front_warps(int64_t num_slots, int64_t num_local) {
+  return dispatch_warps_for(num_slots, num_local, kFrontBlockThreads / kDispatchWarpSize);
+}
+size_t front_smem(int warps, int64_t num_local) {
+  return static_cast<size_t>(warps) * static_cast<size_t>(num_local) * sizeof(int32_t);
 }
 
 }  // namespace
@@ -158,7 +160,7 @@ void launch_rebase_rows_e4m3(const uint8_t* q, const uint8_t* sf, const int32_t*
 bool decode_front_takes(int64_t num_slots, int64_t num_local) {
   return num_slots >= 1 && num_slots <= kFrontMaxSlots && num_local >= 1 &&
          num_local <= static_cast<int64_t>(kFrontSmemLimit / sizeof(int32_t)) &&
-         front_smem(num_slots, num_local) <= kFrontSmemLimit;
+         front_smem(front_warps(num_slots, num_local), num_local) <= kFrontSmemLimit;
 }
 
 void launch_decode_front(const uint16_t* x, int64_t num_tokens, int64_t top_k, int64_t hidden,
@@ -191,8 +193,8 @@ void launch_decode_front(const uint16_t* x, int64_t num_tokens, int64_t top_k, i
   p.act = act;
   // NOTES: each slot's row is cut into parts of one chunk per thread while the grid stays
   // within one wave of blocks (~1 + T*K*parts <= 4 per SM), up to kFrontChunksPerThread chunks
-  // per thread above: a whole row per block left H = 7168 (DeepSeek-V3) at T = 1 no faster than
-  // the three launches (docs/tuning-log.md v26).
+  // per thread above: with a whole row per block, one SM quantizes a long row alone (why this
+  // split: docs/tuning-log.md v26).
   const int64_t chunks = hidden / kQuantVec;
   const int64_t wave = int64_t{4} * cuda::device_info().sm_count;
   int64_t span = kFrontBlockThreads;
@@ -202,11 +204,10 @@ void launch_decode_front(const uint16_t* x, int64_t num_tokens, int64_t top_k, i
   }
   p.chunk_span = static_cast<int32_t>(span);
   p.parts = static_cast<int32_t>((chunks + span - 1) / span);
-  const int warps = dispatch_warps_for(dispatch.num_slots, dispatch.num_local,
-                                       kFrontBlockThreads / kDispatchWarpSize);
+  const int warps = front_warps(dispatch.num_slots, dispatch.num_local);
   cuda::launch(sm90_decode_front_kernel, static_cast<int>(1 + dispatch.num_slots * p.parts),
-               kFrontBlockThreads, front_smem(dispatch.num_slots, dispatch.num_local), stream,
-               programmatic, p, warps);
+               kFrontBlockThreads, front_smem(warps, dispatch.num_local), stream, programmatic, p,
+               warps);
 }
 
 void launch_combine(const uint16_t* out, const int32_t* slot_to_row, int64_t num_tokens,
