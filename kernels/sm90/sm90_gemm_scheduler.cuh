@@ -20,6 +20,27 @@ __device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
   return v;
 }
 
+// Exclusive prefix over the CTA of one value per thread (threads in index order); *total, when
+// given, gets the sum over all threads. Called by all kThreads threads (contains one
+// __syncthreads). Its warp sums live in one shared array per kernel: a second call may only
+// start after a barrier that follows the first call's return.
+template <int kThreads>
+__device__ __forceinline__ int block_exclusive_sum(int v, int* total = nullptr) {
+  __shared__ int32_t s_warp_sums[kThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int incl = warp_inclusive_sum(v, lane);
+  if (lane == 31) s_warp_sums[warp] = incl;
+  __syncthreads();
+  int before = incl - v, sum = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) {
+    before += w < warp ? s_warp_sums[w] : 0;
+    sum += s_warp_sums[w];
+  }
+  if (total != nullptr) *total = sum;
+  return before;
+}
+
 // Copies row_offsets[0..E] into shared memory with coalesced loads: thread i loads entries i,
 // i + kThreads, ...; all of a thread's loads are issued before its first store, so the CTA waits
 // for one global load latency, not one per kThreads experts. No barrier: the caller syncs.
@@ -50,8 +71,7 @@ template <int kThreads>
 __device__ __forceinline__ void count_row_offsets(const int32_t* __restrict__ topk_idx,
                                                   int num_slots, int first_local, int num_experts,
                                                   int32_t* s_offsets) {
-  __shared__ int32_t s_warp_sums[kThreads / 32];
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x;
   for (int e = tid; e <= num_experts; e += kThreads) s_offsets[e] = 0;
   __syncthreads();
   for (int s = tid; s < num_slots; s += kThreads) {
@@ -65,12 +85,7 @@ __device__ __forceinline__ void count_row_offsets(const int32_t* __restrict__ to
   const int first = tid * per;
   int sum = 0;
   for (int j = 0; j < per && first + j <= num_experts; ++j) sum += s_offsets[first + j];
-  const int incl = warp_inclusive_sum(sum, lane);
-  if (lane == 31) s_warp_sums[warp] = incl;
-  __syncthreads();
-  int run = incl - sum;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) run += w < warp ? s_warp_sums[w] : 0;
+  int run = block_exclusive_sum<kThreads>(sum);
   for (int j = 0; j < per && first + j <= num_experts; ++j) {
     const int count = s_offsets[first + j];
     s_offsets[first + j] = run;
@@ -88,8 +103,7 @@ template <int kThreads, int kBlockN>
 __device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, int num_experts,
                                       int max_rows, int m_tiles, int32_t* s_offsets,
                                       int32_t* s_prefix) {
-  __shared__ int32_t s_warp_sums[kThreads / 32];
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x;
   // NOTES: a loop of dependent load + store rounds took ~5 % of the samples of Kimi-K3 L1 at
   // T = 1 (7 rounds for 896 experts; Nsight Compute): load_row_offsets issues all loads first.
   load_row_offsets<kThreads>(row_offsets, num_experts, s_offsets);
@@ -104,18 +118,11 @@ __device__ void build_schedule_rounds(const int32_t* __restrict__ row_offsets, i
     const int e = base + tid;
     const int tiles =
         e < num_experts ? m_tiles * ((s_offsets[e + 1] - s_offsets[e] + kBlockN - 1) / kBlockN) : 0;
-    const int incl = warp_inclusive_sum(tiles, lane);
-    if (lane == 31) s_warp_sums[warp] = incl;
-    __syncthreads();
-    int warp_offset = 0, total = 0;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) {
-      warp_offset += w < warp ? s_warp_sums[w] : 0;
-      total += s_warp_sums[w];
-    }
-    if (e <= num_experts) s_prefix[e] = carry + warp_offset + incl - tiles;
+    int total = 0;
+    const int before = block_exclusive_sum<kThreads>(tiles, &total);
+    if (e <= num_experts) s_prefix[e] = carry + before;
     carry += total;
-    __syncthreads();
+    __syncthreads();  // the next round's scan rewrites the warp sums
   }
 }
 
@@ -137,8 +144,7 @@ __device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_
                                int max_rows, int m_tiles, int32_t* s_offsets, int32_t* s_prefix,
                                const int32_t* __restrict__ topk_idx = nullptr, int topk_slots = 0,
                                int topk_first_local = 0) {
-  __shared__ int32_t s_warp_sums[kThreads / 32];
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x;
   constexpr int kMaxPer = (kMaxLocalExperts + 1 + kThreads - 1) / kThreads;
   if (topk_idx != nullptr) {
     count_row_offsets<kThreads>(topk_idx, topk_slots, topk_first_local, num_experts, s_offsets);
@@ -164,12 +170,7 @@ __device__ void build_schedule(const int32_t* __restrict__ row_offsets, int num_
     }
   }
   // Exclusive prefix of the per-thread counts over the CTA.
-  const int incl = warp_inclusive_sum(count, lane);
-  if (lane == 31) s_warp_sums[warp] = incl;
-  __syncthreads();
-  int base = incl - count;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) base += w < warp ? s_warp_sums[w] : 0;
+  const int base = block_exclusive_sum<kThreads>(count);
 #pragma unroll
   for (int j = 0; j < kMaxPer; ++j) {
     const int e = first + j;
