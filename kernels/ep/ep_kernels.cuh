@@ -118,30 +118,72 @@ struct SendArgs {
   sm90::DispatchParams errors;    // invalid ids are recorded as the one-GPU dispatch does
 };
 
-// Tokens warp, warp + num_warps, ... of this rank: for every rank d, the token's ids and weights
-// into d's recv_idx/recv_w (so d never reads a stale id); the token's row and scales into d's
-// recv_xq/recv_sf when d owns one of its experts (once per rank, not per expert).
+// n elements from src to dst by the 32 lanes of a warp, each lane issuing kBatch loads before
+// its stores.
+// NOTES: why: with a load and a store per element (the store may alias the next load) each lane
+// waited one memory latency per element, which a small call's single row per warp pays in full
+// (docs/tuning-log.md).
+template <int kBatch, class T>
+__device__ __forceinline__ void warp_copy(T* __restrict__ dst, const T* __restrict__ src, int64_t n,
+                                          int lane) {
+  for (int64_t base = lane; base < n; base += 32 * kBatch) {
+    T v[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t c = base + 32 * i;
+      if (c < n) v[i] = __ldg(src + c);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t c = base + 32 * i;
+      if (c < n) dst[c] = v[i];
+    }
+  }
+}
+// 16-byte elements in flight per lane: a 7168-byte row in one round. ep_dispatch's CTA of 1024
+// threads (64 registers each) spills with more than one; it shares a token's rows among its
+// spare warps instead (send_tokens), which at T = 1 leaves one element per lane.
+constexpr int kCopyBatch = 16;
+constexpr int kCopyBatchWide = 1;
+
+// Tokens warp / split, + num_warps / split, ... of this rank, split = the warps per token where
+// there are more warps than tokens (the fused send: 32 warps, T <= 32), else 1: for every rank d,
+// the token's ids and weights into d's recv_idx/recv_w (so d never reads a stale id); the token's
+// row and scales into d's recv_xq/recv_sf when d owns one of its experts (once per rank, not per
+// expert), each of the token's warps copying its share of them.
+template <int kBatch>
 __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t warp,
                                    int64_t num_warps) {
   const WindowLayout& L = p.layout;
   const int lane = threadIdx.x % 32;
   const int64_t K = L.top_k, H = L.hidden, sf_row = H / 32;
   const int64_t src_token0 = static_cast<int64_t>(p.rank) * L.t_max;  // our rows in peers' recv
-  for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
+  const int64_t tokens = p.num_tokens > 0 ? p.num_tokens : 1;
+  const int64_t split = num_warps > tokens ? num_warps / tokens : 1;
+  const int64_t part = warp % split;
+  // This warp's share of a row's 16-byte chunks and of its scale bytes.
+  const int64_t c0 = part * (H / 16) / split, c1 = (part + 1) * (H / 16) / split;
+  const int64_t s0 = part * sf_row / split, s1 = (part + 1) * sf_row / split;
+  for (int64_t t = warp / split; t < p.num_tokens; t += num_warps / split) {
     uint64_t mask = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
       const int64_t k = k0 + lane;
       if (k < K) {
         const int64_t slot = t * K + k;
-        // With errors.num_local = E, dispatch_local_expert returns the global id (or -1).
-        const int32_t id = sm90::dispatch_local_expert<true>(a.errors, __ldg(a.topk_idx + slot), slot);
-        const float w = __ldg(a.topk_weights + slot);
-        a.slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
+        // With errors.num_local = E, dispatch_local_expert returns the global id (or -1). The
+        // token's first warp records invalid ids and writes the ids, weights and slot map.
+        const int32_t raw = __ldg(a.topk_idx + slot);
+        const int32_t id = part == 0 ? sm90::dispatch_local_expert<true>(a.errors, raw, slot)
+                                     : sm90::dispatch_local_expert<false>(a.errors, raw, slot);
         if (id >= 0) mask |= 1ull << (id / p.num_local);
-        const int64_t at = (src_token0 + t) * K + k;
-        for (int d = 0; d < p.size; ++d) {
-          region<int32_t>(p.peers[d], L.recv_idx)[at] = id;
-          region<float>(p.peers[d], L.recv_w)[at] = w;
+        if (part == 0) {
+          const float w = __ldg(a.topk_weights + slot);
+          a.slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
+          const int64_t at = (src_token0 + t) * K + k;
+          for (int d = 0; d < p.size; ++d) {
+            region<int32_t>(p.peers[d], L.recv_idx)[at] = id;
+            region<float>(p.peers[d], L.recv_w)[at] = w;
+          }
         }
       }
     }
@@ -155,9 +197,9 @@ __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t
       mask &= mask - 1;
       uint4* dst = reinterpret_cast<uint4*>(region<uint8_t>(p.peers[d], L.recv_xq) +
                                             (src_token0 + t) * H);
-      for (int64_t c = lane; c < H / 16; c += 32) dst[c] = __ldg(row + c);
+      warp_copy<kBatch>(dst + c0, row + c0, c1 - c0, lane);
       uint8_t* dst_sf = region<uint8_t>(p.peers[d], L.recv_sf) + (src_token0 + t) * sf_row;
-      for (int64_t c = lane; c < sf_row; c += 32) dst_sf[c] = __ldg(sf + c);
+      warp_copy<kBatch>(dst_sf + s0, sf + s0, s1 - s0, lane);
     }
   }
 }
@@ -182,7 +224,7 @@ __global__ void __launch_bounds__(kSendThreads)
 ep_send_kernel(const EpParams p, const SendArgs a) {
   ptx::grid_dependency_wait();  // PDL: the quantized input is complete
   ptx::launch_dependents();     // the successor (ep_dispatch) is one CTA
-  send_tokens(p, a, static_cast<int64_t>(blockIdx.x) * kSendWarps + threadIdx.x / 32,
+  send_tokens<kCopyBatch>(p, a, static_cast<int64_t>(blockIdx.x) * kSendWarps + threadIdx.x / 32,
               static_cast<int64_t>(gridDim.x) * kSendWarps);
   if (last_cta(&local_state(p)->send_ticket) && threadIdx.x == 0) publish_dispatch(p);
 }
@@ -230,8 +272,11 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   if (p.early_launch) ptx::launch_dependents();
   const WindowLayout& L = p.layout;
   EpLocal* me = local_state(p);
+  // This call's number: one more than the last call's, whose number the fused send publishes
+  // below (read before the send: one round trip less after it).
+  const uint64_t call = me->call + (fused_send ? 1 : 0);
   if (fused_send) {
-    send_tokens(p, a, threadIdx.x / 32, blockDim.x / 32);
+    send_tokens<kCopyBatchWide>(p, a, threadIdx.x / 32, blockDim.x / 32);
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence_system();  // for the whole CTA's sends (see last_cta)
@@ -239,7 +284,6 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
     }
     __syncthreads();
   }
-  const uint64_t call = me->call;
   if (threadIdx.x < p.size) {
     const int s = threadIdx.x;
     const uint32_t payload = wait_signal(p, region<uint64_t>(p.peers[p.rank], L.dispatch_sig) + s,
@@ -265,10 +309,17 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   const ReceivedSlots slots{region<int32_t>(p.peers[p.rank], L.recv_idx),
                             region<float>(p.peers[p.rank], L.recv_w), prefix, p.size, L.t_max,
                             L.top_k};
-  const bool placed = sm90::dispatch_sort(d, slots, num_warps, hist, warp_totals);
+  // The sort's total rows (the last inclusive warp total), also when it placed none.
+  int32_t rows = 0;
+  bool placed;
+  if (d.num_slots <= sm90::kDispatchSmallSlots) {
+    __shared__ int32_t s_local[sm90::kDispatchSmallSlots];
+    placed = sm90::dispatch_sort_small(d, slots, s_local, &rows);
+  } else {
+    placed = sm90::dispatch_sort(d, slots, num_warps, hist, warp_totals);
+    rows = warp_totals[blockDim.x / sm90::kDispatchWarpSize - 1];
+  }
   if (threadIdx.x == 0) {
-    // The sort's total rows (the last inclusive warp total), also when it placed none.
-    const int32_t rows = warp_totals[blockDim.x / sm90::kDispatchWarpSize - 1];
     me->recv_rows = placed ? static_cast<uint32_t>(rows) : kPayloadError;
     if (!placed) record_error(p, StatusCode::kRecvOverflow, Stage::kDispatch, p.rank, 0, rows);
   }
@@ -300,7 +351,7 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
     const uint4* src = reinterpret_cast<const uint4*>(out + r * H);
     uint4* dst = reinterpret_cast<uint4*>(region<uint16_t>(p.peers[to.rank], L.combine) +
                                           static_cast<int64_t>(to.slot) * H);
-    for (int64_t c = lane; c < H / 8; c += 32) dst[c] = __ldg(src + c);
+    warp_copy<kCopyBatch>(dst, src, H / 8, lane);
   }
   EpLocal* me = local_state(p);
   if (!last_cta(&me->return_ticket)) return;

@@ -186,6 +186,60 @@ __device__ __forceinline__ void dispatch_place(const DispatchParams& p, const Sl
   }
 }
 
+// The same placement for a few slots (p.num_slots <= kDispatchSmallSlots <= blockDim.x), with
+// one global round trip and two barriers: thread v loads slot v's id and weight; every slot's
+// row and every expert's offset are then counted from the ids in shared memory (a slot's row is
+// the number of valid slots of smaller local expert, or of its expert and smaller index: the
+// stable order of dispatch_sort). Writes the outputs of dispatch_sort, returns its result and
+// the total rows in *total. s_local: shared memory of kDispatchSmallSlots int32. Called by every
+// thread of the block.
+// NOTES: why: dispatch_sort's passes (zeroed histograms, scans over every local expert, five
+// barriers, dependent global round trips) are most of a small EP call's dispatch
+// (docs/tuning-log.md).
+constexpr int kDispatchSmallSlots = 256;
+template <class Slots>
+__device__ __forceinline__ bool dispatch_sort_small(const DispatchParams& p, const Slots& slots,
+                                                    int32_t* s_local, int32_t* total) {
+  const int v = threadIdx.x;
+  const int n = static_cast<int>(p.num_slots);
+  int32_t local = -1;
+  float weight = 0.0f;
+  if (v < n) {
+    const int32_t id = slots.id(v);
+    weight = slots.weight(v);
+    local = dispatch_local_expert<Slots::kRecord>(p, id, v);
+    s_local[v] = local;
+  }
+  const int32_t rows = __syncthreads_count(local >= 0);  // also orders s_local's stores
+  *total = rows;
+  const bool fits = p.max_rows <= 0 || rows <= p.max_rows;
+  for (int e = v; e <= p.num_local; e += blockDim.x) {
+    int32_t before = 0;
+    if (fits) {
+      for (int j = 0; j < n; ++j) {
+        const int32_t l = s_local[j];
+        before += (l >= 0) & (l < e);
+      }
+    }
+    p.row_offsets[e] = before;  // more rows than the workspace holds: every expert empty
+  }
+  if (!fits) return false;
+  if (v < n) {
+    int32_t row = -1;
+    if (local >= 0) {
+      row = 0;
+      for (int j = 0; j < n; ++j) {
+        const int32_t l = s_local[j];
+        row += (l >= 0) & ((l < local) | ((l == local) & (j < v)));
+      }
+      p.row_slot[row] = slots.row_slot(v);
+      p.row_weights[row] = weight;
+    }
+    if (p.slot_to_row != nullptr) p.slot_to_row[v] = row;
+  }
+  return true;
+}
+
 // The counting sort of the slots [0, p.num_slots) that `slots` reads (see the top of the file):
 // dispatch_count, then dispatch_place unless the rows exceed p.max_rows (false: every expert
 // left empty, nothing placed).

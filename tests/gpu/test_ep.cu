@@ -198,35 +198,47 @@ TEST(Ep, CapacityOverflowFailsOnEveryRank) {
 
 // More rows for one rank than its max_recv_rows: nothing is computed there and every rank's
 // check reports it, naming the rank; a call that fits works afterwards.
+// Above max_recv_rows: every rank reports it, nothing is placed, the next call works. Both
+// sorts of ep_dispatch: 1024 received slots (the counting sort) and 128 (dispatch_sort_small,
+// at most kDispatchSmallSlots).
 TEST(Ep, ReceiveOverflowFailsOnEveryRank) {
   MEGAMOE_REQUIRE_SM90();
   const LayerConfig c = ep_config("small", 64);
-  EpOptions options;
-  options.max_recv_rows = 100;
-  EpRanks ep(c, 4, 990, options);
-  // Adversarial routing: every slot of every rank goes to experts [0, K), all on rank 0:
-  // 4 ranks x 64 tokens x K = 4 slots = 1024 rows > 100.
-  ep.upload(make_ep_inputs(c, {64, 64, 64, 64}, Routing::kAdversarial, 990));
-  ep.forward();
-  ep.sync();
-  for (int r = 0; r < 4; ++r) {
-    try {
-      ep.layer(r).check_errors(ep.stream(r));
-      FAIL() << "rank " << r << " did not report the overflow";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
-      EXPECT_NE(std::string(e.what()).find("rank 0 received more rows than its max_recv_rows = 100"),
-                std::string::npos) << e.what();
+  // The next call: T tokens per rank whose rows fit whatever the routing (4 x T x K <= max_rows).
+  const struct {
+    int64_t tokens, max_rows, next_tokens;
+  } cases[] = {{64, 100, 4}, {8, 20, 1}};
+  for (const auto& cs : cases) {
+    SCOPED_TRACE("tokens per rank " + std::to_string(cs.tokens));
+    EpOptions options;
+    options.max_recv_rows = cs.max_rows;
+    EpRanks ep(c, 4, 990, options);
+    // Adversarial routing: every slot of every rank goes to experts [0, K), all on rank 0:
+    // 4 ranks x T tokens x K = 4 slots (1024 or 128 rows) > max_recv_rows.
+    ep.upload(make_ep_inputs(c, std::vector<int64_t>(4, cs.tokens), Routing::kAdversarial, 990));
+    ep.forward();
+    ep.sync();
+    const std::string expected_message =
+        "rank 0 received more rows than its max_recv_rows = " + std::to_string(cs.max_rows);
+    for (int r = 0; r < 4; ++r) {
+      try {
+        ep.layer(r).check_errors(ep.stream(r));
+        FAIL() << "rank " << r << " did not report the overflow";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kOutOfRange);
+        EXPECT_NE(std::string(e.what()).find(expected_message), std::string::npos) << e.what();
+      }
     }
+    const EpInputs small =
+        make_ep_inputs(c, std::vector<int64_t>(4, cs.next_tokens), Routing::kUniform, 991);
+    OneGpu one(c, small.total(), 990);
+    const std::vector<uint16_t> expected = one.run(small);
+    ep.upload(small);
+    ep.forward();
+    ep.sync();
+    for (int r = 0; r < 4; ++r) EXPECT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
+    EXPECT_EQ(count_mismatches(ep.output(), expected), 0);
   }
-  const EpInputs small = make_ep_inputs(c, {4, 4, 4, 4}, Routing::kUniform, 991);
-  OneGpu one(c, small.total(), 990);
-  const std::vector<uint16_t> expected = one.run(small);
-  ep.upload(small);
-  ep.forward();
-  ep.sync();
-  for (int r = 0; r < 4; ++r) EXPECT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
-  EXPECT_EQ(count_mismatches(ep.output(), expected), 0);
 }
 
 // A rank that never calls: the others give up after the timeout, report kTimeout naming it, the
