@@ -309,7 +309,7 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   const ReceivedSlots slots{region<int32_t>(p.peers[p.rank], L.recv_idx),
                             region<float>(p.peers[p.rank], L.recv_w), prefix, p.size, L.t_max,
                             L.top_k};
-  // The sort's total rows (the last inclusive warp total), also when it placed none.
+  // The sort's total rows, also when it placed none.
   int32_t rows = 0;
   bool placed;
   if (d.num_slots <= sm90::kDispatchSmallSlots) {
@@ -317,7 +317,7 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
     placed = sm90::dispatch_sort_small(d, slots, s_local, &rows);
   } else {
     placed = sm90::dispatch_sort(d, slots, num_warps, hist, warp_totals);
-    rows = warp_totals[blockDim.x / sm90::kDispatchWarpSize - 1];
+    rows = warp_totals[blockDim.x / sm90::kDispatchWarpSize - 1];  // the last inclusive total
   }
   if (threadIdx.x == 0) {
     me->recv_rows = placed ? static_cast<uint32_t>(rows) : kPayloadError;

@@ -159,6 +159,19 @@ TEST(Ep, VirtualRanksKimiK3Ep8Decode) {
                           "decode_128x16_k1_warp");
 }
 
+// A call of every rank on `in` works: no rank reports an error and the outputs equal the one-GPU
+// layer's (weights of `weight_seed`) bit for bit. After an error, it shows the group is intact.
+void expect_call_equals_one_gpu(EpRanks& ep, const LayerConfig& c, const EpInputs& in,
+                                uint64_t weight_seed) {
+  OneGpu one(c, in.total(), weight_seed);
+  const std::vector<uint16_t> expected = one.run(in);
+  ep.upload(in);
+  ep.forward();
+  ep.sync();
+  for (int r = 0; r < ep.size(); ++r) EXPECT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
+  EXPECT_EQ(count_mismatches(ep.output(), expected), 0);
+}
+
 // A rank called above its capacity throws at once and still takes part (as T = 0); the others
 // report it at their check, naming it; the next call works everywhere.
 TEST(Ep, CapacityOverflowFailsOnEveryRank) {
@@ -187,20 +200,13 @@ TEST(Ep, CapacityOverflowFailsOnEveryRank) {
   }
   EXPECT_NO_THROW(ep.layer(0).check_errors(ep.stream(0)));
   // The group is intact: the next call computes the right answer.
-  OneGpu one(c, in.total(), 980);
-  const std::vector<uint16_t> expected = one.run(in);
-  ep.upload(in);
-  ep.forward();
-  ep.sync();
-  for (int r = 0; r < 2; ++r) EXPECT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
-  EXPECT_EQ(count_mismatches(ep.output(), expected), 0);
+  expect_call_equals_one_gpu(ep, c, in, 980);
 }
 
 // More rows for one rank than its max_recv_rows: nothing is computed there and every rank's
-// check reports it, naming the rank; a call that fits works afterwards.
-// Above max_recv_rows: every rank reports it, nothing is placed, the next call works. Both
-// sorts of ep_dispatch: 1024 received slots (the counting sort) and 128 (dispatch_sort_small,
-// at most kDispatchSmallSlots).
+// check reports it, naming the rank; a call that fits works afterwards. Both sorts of
+// ep_dispatch: 1024 received slots (the counting sort) and 128 (dispatch_sort_small, at most
+// kDispatchSmallSlots).
 TEST(Ep, ReceiveOverflowFailsOnEveryRank) {
   MEGAMOE_REQUIRE_SM90();
   const LayerConfig c = ep_config("small", 64);
@@ -229,15 +235,9 @@ TEST(Ep, ReceiveOverflowFailsOnEveryRank) {
         EXPECT_NE(std::string(e.what()).find(expected_message), std::string::npos) << e.what();
       }
     }
-    const EpInputs small =
-        make_ep_inputs(c, std::vector<int64_t>(4, cs.next_tokens), Routing::kUniform, 991);
-    OneGpu one(c, small.total(), 990);
-    const std::vector<uint16_t> expected = one.run(small);
-    ep.upload(small);
-    ep.forward();
-    ep.sync();
-    for (int r = 0; r < 4; ++r) EXPECT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
-    EXPECT_EQ(count_mismatches(ep.output(), expected), 0);
+    expect_call_equals_one_gpu(
+        ep, c, make_ep_inputs(c, std::vector<int64_t>(4, cs.next_tokens), Routing::kUniform, 991),
+        990);
   }
 }
 
