@@ -123,6 +123,7 @@ void overhead(const std::string& shape, const std::vector<int64_t>& tokens) {
 
 // One rank's buffers for the exchange alone (the GEMMs' input/output rows stand in as bytes).
 struct RankExchange {
+  test::DeviceArray<uint16_t> x;  // bf16: what a fused call (ep::fused_send) quantizes and sends
   test::DeviceArray<uint8_t> x_q, x_sf;
   test::DeviceArray<int32_t> idx, slot_map, row_offsets, row_slot;
   test::DeviceArray<float> w, row_weights;
@@ -145,6 +146,7 @@ void exchange(const std::string& shape, int ranks, int64_t t, double copy_tbs) {
     RankExchange& b = rx[r];
     const test::RoutingData rd = test::make_routing(test::Routing::kUniform, t, e, k, 500 + r);
     std::vector<uint8_t> xq(static_cast<size_t>(t * h), 0x38), sf(static_cast<size_t>(t * h / 32), 127);
+    b.x = test::DeviceArray<uint16_t>(std::vector<uint16_t>(static_cast<size_t>(t * h), 0x3F80));
     b.x_q = test::DeviceArray<uint8_t>(xq);
     b.x_sf = test::DeviceArray<uint8_t>(sf);
     b.idx = test::DeviceArray<int32_t>(rd.idx);
@@ -176,6 +178,7 @@ void exchange(const std::string& shape, int ranks, int64_t t, double copy_tbs) {
       const ep::EpParams p = groups[r]->impl().params(t, t, e);
       if (r > 0) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(*b.stream, ev[ranks]));
       ep::SendInputs send;
+      send.x = b.x.get();
       send.x_q = b.x_q.get();
       send.x_sf = b.x_sf.get();
       send.topk_idx = b.idx.get();

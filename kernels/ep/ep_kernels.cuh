@@ -2,7 +2,8 @@
 // parallelism"); the window layout and parameter block are in ep/ep_protocol.hpp.
 //
 //   ep_send         every source token to the ranks owning its experts; publishes dispatch_sig
-//                   (small calls: done by ep_dispatch's CTA itself, one launch less)
+//                   (small calls: ep_dispatch quantizes and sends, the layer's quantize launch
+//                   and this one are not made)
 //   ep_dispatch     waits for every rank's dispatch_sig, then the per-local-expert row lists of
 //                   the received slots (the counting sort of sm90_dispatch.cuh)
 //   (gather, L1, L2 of the layer, reading the received rows)
@@ -24,6 +25,7 @@
 #include "ep/ep_protocol.hpp"
 #include "ptx/sm90_ptx.cuh"
 #include "sm90/sm90_dispatch_sort.cuh"
+#include "sm90/sm90_quantize_chunk.cuh"
 
 namespace megamoe::ep {
 
@@ -86,10 +88,13 @@ __device__ inline uint32_t wait_signal(const EpParams& p, const uint64_t* sig, u
 // The last CTA of a grid to call this (after its writes) returns true, with every other CTA's
 // writes ordered before what it does next; it also resets the ticket for the next call.
 // One thread fences for the CTA: the barrier orders the other threads' writes before its fence,
-// and fences are cumulative (a system fence by every thread cost microseconds per call).
+// and fences are cumulative (a system fence by every thread cost microseconds per call). A grid
+// of one CTA needs neither the ticket nor the fences: the barrier orders its threads' writes
+// before thread 0's release store that publishes them (cumulative, as the fence).
 __device__ inline bool last_cta(uint32_t* ticket) {
   __shared__ bool last;
   __syncthreads();
+  if (gridDim.x == 1) return true;
   if (threadIdx.x == 0) {
     __threadfence_system();
     last = atomicAdd(ticket, 1u) == gridDim.x - 1;
@@ -104,13 +109,14 @@ __device__ inline bool last_cta(uint32_t* ticket) {
 
 constexpr int kSendThreads = 256;
 constexpr int kSendWarps = kSendThreads / 32;
-// Calls with at most this many tokens send from ep_dispatch's own CTA (one launch less; a single
-// CTA moves this little in less time than a launch takes).
+// Calls with at most this many tokens are quantized and sent by ep_dispatch's CTAs, one per token
+// (two launches less: the layer's quantize and ep_send).
 constexpr int kFusedSendMaxTokens = 32;
 
-// What the send reads (this call's quantized input and the caller's top-k) and writes locally.
+// What the send reads (this call's input and the caller's top-k) and writes locally.
 struct SendArgs {
-  const uint8_t* x_q;
+  const uint16_t* x;              // bf16 [T, H]: the fused send quantizes it
+  const uint8_t* x_q;             // ep_send: this call's quantized input
   const uint8_t* x_sf;
   const int32_t* topk_idx;
   const float* topk_weights;
@@ -140,14 +146,11 @@ __device__ __forceinline__ void warp_copy(T* __restrict__ dst, const T* __restri
     }
   }
 }
-// 16-byte elements in flight per lane: a 7168-byte row in one round. ep_dispatch's CTA of 1024
-// threads (64 registers each) spills with more than one; it shares a token's rows among its
-// spare warps instead (send_tokens), which at T = 1 leaves one element per lane.
+// 16-byte elements in flight per lane: a 7168-byte row in one round.
 constexpr int kCopyBatch = 16;
-constexpr int kCopyBatchWide = 1;
 
 // Tokens warp / split, + num_warps / split, ... of this rank, split = the warps per token where
-// there are more warps than tokens (the fused send: 32 warps, T <= 32), else 1: for every rank d,
+// there are more warps than tokens, else 1: for every rank d,
 // the token's ids and weights into d's recv_idx/recv_w (so d never reads a stale id); the token's
 // row and scales into d's recv_xq/recv_sf when d owns one of its experts (once per rank, not per
 // expert), each of the token's warps copying its share of them.
@@ -204,6 +207,59 @@ __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t
   }
 }
 
+// Token t of this call, by the whole CTA (ep_dispatch's fused send): its ids and weights into
+// every rank's recv_idx / recv_w and its slot map (invalid ids recorded, as send_tokens does),
+// then its row of x quantized (each thread kQuantVec channels, the quantize kernel's
+// quantize_chunk: the same codes) and the codes and scales stored from registers into the
+// recv_xq / recv_sf rows of every rank owning one of its experts. s_mask: shared memory.
+// NOTES: why: the layer's quantize launch wrote x_q and ep_dispatch's single CTA then copied
+// every row to its owners, two dependent passes and a launch before the send's signal; here the
+// token's CTA quantizes and stores once per owner (docs/tuning-log.md v28).
+__device__ inline void quantize_send_token(const EpParams& p, const SendArgs& a, int64_t t,
+                                           unsigned long long* s_mask) {
+  const WindowLayout& L = p.layout;
+  const int64_t K = L.top_k, H = L.hidden, sf_row = H / kScaleBlock;
+  const int64_t at = static_cast<int64_t>(p.rank) * L.t_max + t;  // our row in peers' recv
+  const int chunks = static_cast<int>(H / sm90::kQuantVec);
+  // Whole warps: every lane of a warp reaches quantize_chunk's shuffles.
+  const int bound = (chunks + 31) / 32 * 32;
+  const uint4* x_row = reinterpret_cast<const uint4*>(a.x + t * H);
+  const int c_first = static_cast<int>(threadIdx.x);
+  // The row's first chunks are requested before the ids are read: their latencies overlap.
+  uint4 raw = c_first < chunks ? __ldg(x_row + c_first) : make_uint4(0, 0, 0, 0);
+  if (threadIdx.x == 0) *s_mask = 0;
+  __syncthreads();
+  for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
+    const int64_t slot = t * K + k;
+    // With errors.num_local = E, dispatch_local_expert returns the global id (or -1).
+    const int32_t id = sm90::dispatch_local_expert<true>(a.errors, __ldg(a.topk_idx + slot), slot);
+    const float w = __ldg(a.topk_weights + slot);
+    if (id >= 0) atomicOr(s_mask, 1ull << (id / p.num_local));
+    a.slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
+    for (int d = 0; d < p.size; ++d) {
+      region<int32_t>(p.peers[d], L.recv_idx)[at * K + k] = id;
+      region<float>(p.peers[d], L.recv_w)[at * K + k] = w;
+    }
+  }
+  __syncthreads();
+  const unsigned long long mask = *s_mask;
+  for (int c = c_first; c < bound; c += blockDim.x) {
+    if (c != c_first) raw = c < chunks ? __ldg(x_row + c) : make_uint4(0, 0, 0, 0);
+    uint32_t packed[2];
+    const int b = sm90::quantize_chunk(raw, packed);
+    if (c >= chunks) continue;
+    for (unsigned long long m = mask; m != 0; m &= m - 1) {
+      const int d = __ffsll(static_cast<long long>(m)) - 1;
+      reinterpret_cast<uint2*>(region<uint8_t>(p.peers[d], L.recv_xq) + at * H)[c] =
+          make_uint2(packed[0], packed[1]);
+      if (c % sm90::kQuantThreadsPerGroup == 0)
+        region<uint8_t>(p.peers[d], L.recv_sf)[at * sf_row + c / sm90::kQuantThreadsPerGroup] =
+            static_cast<uint8_t>(b);
+    }
+  }
+  __syncthreads();  // every thread has read *s_mask before the next token resets it
+}
+
 // One thread, after every send of this call is ordered before it: the call number advances and
 // every rank's dispatch_sig[rank] gets (call, T) (or the capacity error with the T called).
 __device__ inline void publish_dispatch(const EpParams& p) {
@@ -255,10 +311,12 @@ struct ReceivedSlots {
   }
 };
 
-// One CTA of kDispatchMaxWarps warps; dynamic shared memory as sm90_dispatch_topk_kernel. `d`
+// CTAs of kDispatchMaxWarps warps; dynamic shared memory as sm90_dispatch_topk_kernel. `d`
 // carries the row-list outputs (num_slots is set here from the received counts).
-// fused_send: this CTA sends the call's tokens itself first (calls of at most
-// kFusedSendMaxTokens tokens; no ep_send launch).
+// fused_send (calls of at most kFusedSendMaxTokens tokens; no quantize or ep_send launch): CTA b
+// quantizes and sends tokens b, b + grid, ... (quantize_send_token); the last CTA to finish
+// publishes, and only it goes on to wait and sort (one spinning CTA, as with a grid of one).
+// Without it the grid is one CTA and ep_send has published.
 __global__ void __launch_bounds__(sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize)
 ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, const SendArgs a,
                    bool fused_send) {
@@ -266,22 +324,21 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   __shared__ int32_t warp_totals[sm90::kDispatchMaxWarps];
   __shared__ int32_t tokens[kMaxRanks + 1];
   __shared__ int32_t prefix[kMaxRanks + 1];
-  // PDL: this rank's ep_send has published (call number updated), or, fused, the quantized input
-  // is complete.
+  __shared__ unsigned long long s_mask;
+  // PDL: this rank's ep_send has published (call number updated), or, fused, the previous layer
+  // call is done with this rank's peers' rows (its return waited for every rank).
   ptx::grid_dependency_wait();
   if (p.early_launch) ptx::launch_dependents();
   const WindowLayout& L = p.layout;
   EpLocal* me = local_state(p);
-  // This call's number: one more than the last call's, whose number the fused send publishes
-  // below (read before the send: one round trip less after it).
+  // This call's number: one more than the last call's, whose number the fused send's last CTA
+  // publishes below (every CTA reads it before it takes its ticket, so before that update).
   const uint64_t call = me->call + (fused_send ? 1 : 0);
   if (fused_send) {
-    send_tokens<kCopyBatchWide>(p, a, threadIdx.x / 32, blockDim.x / 32);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();  // for the whole CTA's sends (see last_cta)
-      publish_dispatch(p);
-    }
+    for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x)
+      quantize_send_token(p, a, t, &s_mask);
+    if (!last_cta(&me->send_ticket)) return;  // the others exit: one CTA waits below
+    if (threadIdx.x == 0) publish_dispatch(p);  // after last_cta's fence
     __syncthreads();
   }
   if (threadIdx.x < p.size) {
@@ -325,7 +382,8 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   }
 }
 
-constexpr int kReturnThreads = 256;
+// 16 warps: the rows of a one-token call of top-16 in one CTA (no ticket: last_cta).
+constexpr int kReturnThreads = 512;
 constexpr int kReturnWarps = kReturnThreads / 32;
 
 // One warp per computed row (grid-stride): out[r] (bf16 [H]) to the combine slot t*K + k of the

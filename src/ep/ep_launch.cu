@@ -27,6 +27,7 @@ int grid_for_warps(int64_t warps, int warps_per_cta) {
 namespace {
 SendArgs send_args(const EpParams& p, const SendInputs& in) {
   SendArgs a{};
+  a.x = in.x;
   a.x_q = in.x_q;
   a.x_sf = in.x_sf;
   a.topk_idx = in.topk_idx;
@@ -76,8 +77,17 @@ void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offse
       (expected + slots_per_warp - 1) / slots_per_warp, 1, sm90::dispatch_num_warps(p.num_local)));
   const size_t smem = static_cast<size_t>(num_warps) * p.num_local * sizeof(int32_t);
   configure_dispatch(p.num_local);
-  cuda::launch(ep_dispatch_kernel, 1, sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize, smem,
-               stream, programmatic, p, d, num_warps, send_args(p, in), fused_send(p));
+  const bool fused = fused_send(p);
+  if (fused && p.num_tokens > 0) {
+    MEGAMOE_CHECK_ARG(in.x != nullptr && p.layout.hidden % 32 == 0,
+                      "ep dispatch: a call of ", p.num_tokens, " tokens quantizes and sends its "
+                      "input itself: expected SendInputs::x and H a multiple of 32, got x = ",
+                      static_cast<const void*>(in.x), ", H = ", p.layout.hidden);
+  }
+  // Fused: one CTA per token (quantize_send_token), the last one to finish waits and sorts.
+  const int grid = fused ? std::max(1, p.num_tokens) : 1;
+  cuda::launch(ep_dispatch_kernel, grid, sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize, smem,
+               stream, programmatic, p, d, num_warps, send_args(p, in), fused);
 }
 
 void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,

@@ -13,9 +13,11 @@
 
 namespace megamoe::ep {
 
-// The send's inputs: x_q/x_sf this call's quantized tokens, topk_idx/topk_weights the caller's,
-// slot_map [T*K] the combine's row map (written), error/error_flag the layer's invalid-id record.
+// The send's inputs: x the caller's bf16 tokens (a fused call quantizes them: fused_send), x_q/x_sf
+// this call's quantized tokens (launch_send), topk_idx/topk_weights the caller's, slot_map [T*K]
+// the combine's row map (written), error/error_flag the layer's invalid-id record.
 struct SendInputs {
+  const uint16_t* x = nullptr;
   const uint8_t* x_q = nullptr;
   const uint8_t* x_sf = nullptr;
   const int32_t* topk_idx = nullptr;
@@ -25,14 +27,16 @@ struct SendInputs {
   int32_t* error_flag = nullptr;
 };
 
-// Whether a call of this rank sends from the dispatch kernel (no launch_send).
+// Whether a call of this rank is quantized and sent by the dispatch kernel from SendInputs::x (no
+// quantize launch, no launch_send).
 bool fused_send(const EpParams& p);
 
 // Sends this rank's tokens (not for fused calls; see fused_send).
 void launch_send(const EpParams& p, const SendInputs& in, cudaStream_t stream, bool programmatic);
 
 // Waits for every rank's tokens and builds the row lists: row_offsets [E_l + 1], row_slot /
-// row_weights [p.max_rows] (sm90_dispatch.cuh). `in` is what a fused call sends first.
+// row_weights [p.max_rows] (sm90_dispatch.cuh). `in` is what a fused call quantizes and sends
+// first.
 void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offsets,
                      int32_t* row_slot, float* row_weights, cudaStream_t stream,
                      bool programmatic);

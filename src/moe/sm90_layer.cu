@@ -439,7 +439,8 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
 //
 //   quantize        x -> x_q, x_sf                         (this rank's tokens)
 //   ep send         rows to the owners' recv_xq/recv_sf, ids and weights to every rank (calls
-//                   of up to kFusedSendMaxTokens tokens: done inside ep dispatch)
+//                   of up to kFusedSendMaxTokens tokens: these two stages are done inside ep
+//                   dispatch, which quantizes each token's row and stores it to its owners)
 //   ep dispatch     wait for every rank's tokens; row lists of the received slots
 //   gather, L1, L2  on the received rows (the one-GPU kernels; the MegaMoE kernel, where it runs
 //                   L1 and L2, also writes each row to its source's combine slot)
@@ -463,8 +464,12 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   uint8_t* window = p.peers[g.rank];
   const bool pdl = programmatic_;
 
-  if (t > 0) launch_quantize_input(x, t, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
+  // Small calls (ep::fused_send) are quantized and sent by the dispatch kernel itself.
+  const bool fused_send = ep::fused_send(p);
+  if (t > 0 && !fused_send)
+    launch_quantize_input(x, t, s.hidden, view_.x_q, view_.x_sf, stream, pdl);
   ep::SendInputs send;
+  send.x = x;
   send.x_q = view_.x_q;
   send.x_sf = view_.x_sf;
   send.topk_idx = topk_idx;
@@ -472,7 +477,7 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   send.slot_map = view_.slot_to_row;
   send.error = view_.error;
   send.error_flag = error_flag_dev_;
-  if (!ep::fused_send(p)) ep::launch_send(p, send, stream, pdl);
+  if (!fused_send) ep::launch_send(p, send, stream, pdl);
   ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights, stream, pdl);
   // The FP8 mode by the group's tokens, estimated as this rank's T times the ranks (each local
   // expert expects T*R*K/E rows): ranks with similar T decide alike, and EP = R decides as EP = 1
