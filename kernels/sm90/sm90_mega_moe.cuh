@@ -324,8 +324,12 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       }
     }
     // The rows written to the peers' windows are visible system-wide before this grid ends (the
-    // return kernel publishes them after its grid-dependency wait).
-    if (mp.ep_size > 0) __threadfence_system();
+    // return kernel publishes them after its grid-dependency wait): one thread's fence after the
+    // warpgroup barrier covers the warpgroup's stores (fences are cumulative), as in ep's last_cta.
+    if (mp.ep_size > 0) {
+      ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
+      if (tid == 0) __threadfence_system();
+    }
   }
 }
 
