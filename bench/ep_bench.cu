@@ -187,7 +187,7 @@ void exchange(const std::string& shape, int ranks, int64_t t, double copy_tbs) {
       send.error = b.error.get();
       if (!ep::fused_send(p)) ep::launch_send(p, send, *b.stream, true);
       ep::launch_dispatch(p, send, b.row_offsets.get(), b.row_slot.get(), b.row_weights.get(),
-                          *b.stream, true);
+                          nullptr, *b.stream, true);
       if (with_return)
         ep::launch_return(p, b.out.get(), b.row_offsets.get(), b.row_slot.get(), *b.stream, true);
       MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[r], *b.stream));

@@ -317,9 +317,11 @@ struct ReceivedSlots {
 // quantizes and sends tokens b, b + grid, ... (quantize_send_token); the last CTA to finish
 // publishes, and only it goes on to wait and sort (one spinning CTA, as with a grid of one).
 // Without it the grid is one CTA and ep_send has published.
+// row_dst (optional, [max_rows]): each placed row's destination, its source rank's combine slot
+// (GemmParams::out_rows: the L2 epilogue returns the rows).
 __global__ void __launch_bounds__(sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize)
 ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, const SendArgs a,
-                   bool fused_send) {
+                   bool fused_send, uint16_t** row_dst) {
   extern __shared__ int32_t hist[];
   __shared__ int32_t warp_totals[sm90::kDispatchMaxWarps];
   __shared__ int32_t tokens[kMaxRanks + 1];
@@ -380,6 +382,15 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
     me->recv_rows = placed ? static_cast<uint32_t>(rows) : kPayloadError;
     if (!placed) record_error(p, StatusCode::kRecvOverflow, Stage::kDispatch, p.rank, 0, rows);
   }
+  if (row_dst != nullptr && placed) {
+    __syncthreads();  // the sort's row_slot stores, made by every thread of the CTA
+    const uint32_t K = static_cast<uint32_t>(L.top_k), t_max = static_cast<uint32_t>(L.t_max);
+    for (int32_t r = threadIdx.x; r < rows; r += blockDim.x) {
+      const ReturnSlot to = return_slot(static_cast<uint32_t>(d.row_slot[r]), K, t_max);
+      row_dst[r] = region<uint16_t>(p.peers[to.rank], L.combine) +
+                   static_cast<int64_t>(to.slot) * L.hidden;
+    }
+  }
 }
 
 // 16 warps: the rows of a one-token call of top-16 in one CTA (no ticket: last_cta).
@@ -387,10 +398,13 @@ constexpr int kReturnThreads = 512;
 constexpr int kReturnWarps = kReturnThreads / 32;
 
 // One warp per computed row (grid-stride): out[r] (bf16 [H]) to the combine slot t*K + k of the
-// row's source rank (none with out == nullptr: the MegaMoE kernel wrote them). The last CTA
-// publishes return_sig on every rank, then waits for every rank's return_sig of this call; only
-// then may the combine launch (PDL): its CTAs must not sit on the GPU while a rank it waits for
-// still needs room to run.
+// row's source rank (none with out == nullptr: the layer's L2 epilogue wrote them there, through
+// ep_dispatch's row_dst). The last CTA publishes return_sig on every rank, then waits for every
+// rank's return_sig of this call; only then may the combine launch (PDL): its CTAs must not sit
+// on the GPU while a rank it waits for still needs room to run.
+// Ordering of rows written by the previous kernel: that grid's stores happen before everything
+// after this kernel's grid-dependency wait (stream order), and thread 0's release store of the
+// signal is cumulative over them, as it is over this CTA's own copies after the barrier.
 __global__ void __launch_bounds__(kReturnThreads)
 ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
                  const int32_t* __restrict__ row_offsets, const int32_t* __restrict__ row_slot) {
@@ -399,8 +413,7 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
   const WindowLayout& L = p.layout;
   const int lane = threadIdx.x % 32;
   const int64_t K = L.top_k, H = L.hidden;
-  // out == nullptr: the MegaMoE kernel wrote the rows to their combine slots already (and
-  // fenced them at system scope); only the signals remain.
+  // out == nullptr: L2 wrote the rows to their combine slots already; only the signals remain.
   const int64_t rows = out != nullptr ? __ldg(row_offsets + p.num_local) : 0;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kReturnWarps + threadIdx.x / 32; r < rows;
        r += static_cast<int64_t>(gridDim.x) * kReturnWarps) {

@@ -50,11 +50,18 @@ __device__ __forceinline__ void finish_l2_block(const GemmParams& p, const TileI
   constexpr int kThreadsPerCol = sm90_layout::kBlockRows / 8;  // 8 x 16 bytes per column
   constexpr int kColsPerPass = kThreads / kThreadsPerCol;
   const int k8 = tid % kThreadsPerCol;
+  const int n0 = mblk * sm90_layout::kBlockRows + 8 * k8;
+  if (p.out_rows != nullptr) {
+    for (int col = tid / kThreadsPerCol; col < tile.num_rows; col += kColsPerPass) {
+      const uint4 v = *reinterpret_cast<const uint4*>(stage + col * kPitch + 8 * k8);
+      *reinterpret_cast<uint4*>(p.out_rows[tile.row0 + col] + n0) = v;
+    }
+    return;
+  }
   const int H = p.m_rows;
   for (int col = tid / kThreadsPerCol; col < tile.num_rows; col += kColsPerPass) {
     const uint4 v = *reinterpret_cast<const uint4*>(stage + col * kPitch + 8 * k8);
-    *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(tile.row0 + col) * H +
-                              mblk * sm90_layout::kBlockRows + 8 * k8) = v;
+    *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(tile.row0 + col) * H + n0) = v;
   }
 }
 
@@ -79,30 +86,30 @@ __device__ __forceinline__ float l2_bias(const GemmParams& p, const TileInfo& ti
                            : 0.0f;
 }
 
-// epilogue_l2 of one m64 x N block (N <= 128) with the row's destination chosen by the caller:
-// row_ptr(row)[n] = bf16(acc (+ row_weight * bias[n])) (l2.out in the GEMM kernel; the MegaMoE
-// kernel under expert parallelism: the source rank's combine slot).
-template <class Cfg, class RowPtr>
-__device__ __forceinline__ void epilogue_l2_rows(const GemmParams& p, const TileInfo& tile,
-                                                 int mblk, const float (&acc)[Cfg::kBlockN / 2],
-                                                 int tid, RowPtr&& row_ptr) {
-  static_assert(Cfg::kBlockN <= 128, "wider tiles keep their own addressing (epilogue_l2)");
+// epilogue_l2 of one m64 x N block by token row: each row's destination (out_rows[row], or out +
+// row * H) found once, then this thread's two channels of it:
+// dst[n] = bf16(acc (+ row_weight * bias[n])).
+template <class Cfg>
+__device__ __forceinline__ void epilogue_l2_by_row(const GemmParams& p, const TileInfo& tile,
+                                                   int mblk, const float (&acc)[Cfg::kBlockN / 2],
+                                                   int tid) {
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int n0 = mblk * sm90_layout::kBlockRows + warp * 16 + g;
+  const float bias[2] = {l2_bias(p, tile, n0), l2_bias(p, tile, n0 + 8)};
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int n = mblk * sm90_layout::kBlockRows + warp * 16 + g + 8 * half;
-    const float bias = l2_bias(p, tile, n);
+  for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
+    if (8 * i < tile.num_rows) {
 #pragma unroll
-    for (int i = 0; i < Cfg::kBlockN / 8; ++i) {
-      if (8 * i < tile.num_rows) {
+      for (int h = 0; h < 2; ++h) {
+        const int col = 8 * i + 2 * t + h;
+        if (col < tile.num_rows) {
+          const int64_t row = tile.row0 + col;
+          uint16_t* dst = p.out_rows != nullptr ? p.out_rows[row] : p.out + row * p.m_rows;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int col = 8 * i + 2 * t + h;
-          if (col < tile.num_rows) {
-            const int64_t row = tile.row0 + col;
+          for (int half = 0; half < 2; ++half) {
             float v = acc[4 * i + 2 * half + h];
-            if (p.bias != nullptr) v += __ldg(p.row_weights + row) * bias;
-            row_ptr(row)[n] = bf16_from_f32(v);
+            if (p.bias != nullptr) v += __ldg(p.row_weights + row) * bias[half];
+            dst[n0 + 8 * half] = bf16_from_f32(v);
           }
         }
       }
@@ -114,8 +121,8 @@ template <class Cfg>
 __device__ __forceinline__ void epilogue_l2(const GemmParams& p, const TileInfo& tile, int mblk,
                                             const float (&acc)[Cfg::kBlockN / 2], int tid) {
   const int H = p.m_rows;
-  if constexpr (Cfg::kBlockN <= 128) {
-    epilogue_l2_rows<Cfg>(p, tile, mblk, acc, tid, [&](int64_t row) { return p.out + row * H; });
+  if (Cfg::kBlockN <= 128 || p.out_rows != nullptr) {
+    epilogue_l2_by_row<Cfg>(p, tile, mblk, acc, tid);
   } else {
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -124,8 +131,8 @@ __device__ __forceinline__ void epilogue_l2(const GemmParams& p, const TileInfo&
       const float bias = l2_bias(p, tile, n);
       // NOTES: one 64-bit base per half and 32-bit column offsets col * H, with H through an
       // opaque move: otherwise the compiler hoists every col * H (loop-invariant) out of the
-      // tile loop and spills them (seen at 192 token rows; the validated <= 128-row configs
-      // keep the per-column addresses below until re-measured).
+      // tile loop and spills them (seen at 192 token rows; the <= 128-row configs find each
+      // row's address once, epilogue_l2_by_row).
       const int H_opaque = ptx::opaque(H);
       uint16_t* out_base = p.out + static_cast<int64_t>(tile.row0) * H + n;
       const float* rw_base = p.row_weights + tile.row0;

@@ -41,6 +41,10 @@ struct GemmParams {
   uint16_t* h_act = nullptr;             // [max_rows, I]
   // L2 epilogue
   uint16_t* out = nullptr;               // [max_rows, H]
+  // Optional [max_rows]: row r's destination (H bf16 values) instead of out + r * H. Under expert
+  // parallelism the EP dispatch points each received row at its source rank's combine slot, so
+  // the L2 epilogue returns the rows itself.
+  uint16_t* const* out_rows = nullptr;
   // FP8 mode (the E4M3 tiles, TileConfig::fp8): the B rows are E4M3 [rows, k] rebased to one
   // power of two per row, their K order permuted within each 32-group (sm90_layout
   // fp8_row_slot); the accumulator of (weight row m, token row r) is multiplied by
@@ -106,17 +110,7 @@ struct MegaParams {
   int32_t* ready = nullptr;      // [ready_capacity]: finished L1 tiles per slot; zero, left zero
   int32_t* consumed = nullptr;   // [ready_capacity]: L2 tiles past their wait per slot; the same
   int ready_capacity = 0;        // >= max_schedule_slots(max_rows, E_l, BLOCK_N)
-  // Expert parallelism (ep_size > 0): L2's rows go straight to their source rank's combine slot
-  // instead of l2.out (the copy ep_return makes after the chain): row r, whose place in the
-  // received slots is row_slot[r] = (s * ep_t_max + t) * top_k + k (the EP dispatch's), to
-  // ep_peers[s] + ep_combine_offset + ((t * top_k + k) * hidden) * 2 bytes.
-  static constexpr int kMaxPeers = 64;  // ep::kMaxRanks
-  uint8_t* ep_peers[kMaxPeers] = {};
-  int64_t ep_combine_offset = 0;
-  int64_t ep_t_max = 0;
-  const int32_t* row_slot = nullptr;
-  int32_t top_k = 0;
-  int32_t ep_size = 0;                  // ranks; 0: L2's rows to l2.out
+  // Under expert parallelism l2.out_rows points each row at its source rank's combine slot.
 };
 
 // The launch gate's test: `rows` routed rows over `hits` experts lie in (p.gate_min_avg,

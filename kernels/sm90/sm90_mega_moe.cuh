@@ -23,7 +23,8 @@
 //                    zero (the next call finds them zero).
 //   math warpgroup:  the mainloop of the tile's GEMM, then its epilogue (L1: activation, routing
 //                    weight, requantization to h_q / h_sf / h_act; L2: out, or under expert
-//                    parallelism the source rank's combine slot of each row). After an L1 tile, a
+//                    parallelism out_rows, each row's source rank's combine slot, as the chained
+//                    L2 writes it). After an L1 tile, a
 //                    warpgroup barrier, and one thread adds 1 to the slot's ready counter with
 //                    release semantics (red.release.gpu): the rows' stores are published.
 // Numerics: every output is the same mainloop over the same operands as the chained launch of
@@ -32,7 +33,6 @@
 
 #include <cstdint>
 
-#include "ep/ep_protocol.hpp"
 #include "sm90/sm90_grouped_gemm_bf16_mxfp4.cuh"
 #include "sm90/sm90_tile_schedule.hpp"
 
@@ -65,16 +65,6 @@ __device__ __forceinline__ void wait_count(const int32_t* counter, int target) {
 #endif
     if (clock64() - start > ptx::kWaitTimeoutCycles) __trap();
   }
-}
-
-// Row r's destination under expert parallelism (MegaParams::ep_size > 0): its source rank's
-// combine slot (ep::return_slot of the row's place in row_slot).
-__device__ __forceinline__ uint16_t* mega_ep_row(const MegaParams& mp, int r) {
-  const ep::ReturnSlot to = ep::return_slot(static_cast<uint32_t>(__ldg(mp.row_slot + r)),
-                                            static_cast<uint32_t>(mp.top_k),
-                                            static_cast<uint32_t>(mp.ep_t_max));
-  return reinterpret_cast<uint16_t*>(mp.ep_peers[to.rank] + mp.ep_combine_offset) +
-         static_cast<int64_t>(to.slot) * mp.l2.m_rows;
 }
 
 template <class Cfg>
@@ -164,7 +154,6 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   if (ms.num_slots() > mp.ready_capacity) __trap();
   // The unit each stage starts (written before the stage's first arrival; -1: no more units).
   __shared__ int32_t s_stage_unit[Cfg::kNumStages];
-  __shared__ uint16_t* s_ep_rows[Cfg::kBlockN];  // the L2 tile's destination rows (EP)
 
   if (threadIdx.x >= Cfg::kWarpgroupThreads) {
     // ================================ producer ================================
@@ -301,34 +290,14 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         // release add.
         ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
         if (tid == 0) ptx::red_release_gpu_add(mp.ready + ms.slot(tile), 1);
-      } else if (mp.ep_size > 0) {
-        // Expert parallelism: each row straight to its source rank's combine slot (the copy
-        // ep_return makes after the chain); the tile's row addresses computed once, in shared
-        // memory (per element, the divisions of mega_ep_row made the epilogue slower than the
-        // copy it saves: tuning log v25).
-        if (tid < tile.num_rows) s_ep_rows[tid] = mega_ep_row(mp, tile.row0 + tid);
-        ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
-#pragma unroll
-        for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
-          if (sub >= tile.num_m_blocks) continue;
-          epilogue_l2_rows<Cfg>(mp.l2, tile, tile.m_block0 + sub, acc[sub], tid,
-                                [&](int64_t row) { return s_ep_rows[row - tile.row0]; });
-        }
-        ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);  // s_ep_rows is rewritten next tile
       } else {
+        // (Under expert parallelism l2.out_rows sends each row to its source's combine slot.)
 #pragma unroll
         for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
           if (sub >= tile.num_m_blocks) continue;
           epilogue_l2<Cfg>(mp.l2, tile, tile.m_block0 + sub, acc[sub], tid);
         }
       }
-    }
-    // The rows written to the peers' windows are visible system-wide before this grid ends (the
-    // return kernel publishes them after its grid-dependency wait): one thread's fence after the
-    // warpgroup barrier covers the warpgroup's stores (fences are cumulative), as in ep's last_cta.
-    if (mp.ep_size > 0) {
-      ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
-      if (tid == 0) __threadfence_system();
     }
   }
 }

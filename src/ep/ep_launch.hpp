@@ -35,17 +35,19 @@ bool fused_send(const EpParams& p);
 void launch_send(const EpParams& p, const SendInputs& in, cudaStream_t stream, bool programmatic);
 
 // Waits for every rank's tokens and builds the row lists: row_offsets [E_l + 1], row_slot /
-// row_weights [p.max_rows] (sm90_dispatch.cuh). `in` is what a fused call quantizes and sends
-// first.
+// row_weights [p.max_rows] (sm90_dispatch.cuh), and (row_dst != nullptr) each row's destination
+// [p.max_rows], its source rank's combine slot, for the L2 epilogue (L2Args::out_rows). `in` is
+// what a fused call quantizes and sends first.
 void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offsets,
-                     int32_t* row_slot, float* row_weights, cudaStream_t stream,
-                     bool programmatic);
+                     int32_t* row_slot, float* row_weights, uint16_t** row_dst,
+                     cudaStream_t stream, bool programmatic);
 // Raises the dispatch kernel's shared-memory limit for num_local experts (host call, made at
 // layer construction so that forward() makes none).
 void configure_dispatch(int64_t num_local);
 
 // Returns the computed rows to their sources and waits for every rank's. out == nullptr: the rows
-// are there already (the MegaMoE kernel's EP return, MegaTail): only the signals and the wait.
+// are there already (the layer's L2 epilogue wrote them through launch_dispatch's row_dst): only
+// the signals and the wait.
 void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,
                    const int32_t* row_slot, cudaStream_t stream, bool programmatic);
 

@@ -380,6 +380,7 @@ GemmParams l2_params(const L2Args& a) {
   p.bias = a.w2_bias;
   p.intermediate = static_cast<int>(a.intermediate);
   p.out = a.out;
+  p.out_rows = a.out_rows;
   p.small_scales = a.small_scales ? 1 : 0;
   if (fp8) {
     p.w_row_exp = a.w2_row_exp;

@@ -145,6 +145,9 @@ struct L2Args {
   bool small_scales = false;            // as in L1Args, for w2_sf
   const uint16_t* w2_bias = nullptr;    // device bf16 [E_l, H], or nullptr
   uint16_t* out = nullptr;              // device bf16 [max_rows, H]
+  // Optional device [max_rows]: row r's destination instead of out + r * H (GemmParams::out_rows:
+  // under expert parallelism, its source rank's combine slot).
+  uint16_t* const* out_rows = nullptr;
   TileRequest tile;                     // as in L1Args
   SplitKWorkspace split_k;              // as in L1Args
   int k_splits = 0;                     // as in L1Args

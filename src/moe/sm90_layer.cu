@@ -47,7 +47,8 @@ class Carver {
   int64_t offset_ = 0;
 };
 
-WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64_t* bytes) {
+WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, bool ep,
+                    int64_t* bytes) {
   const int64_t h = c.shape.hidden, inter = c.shape.intermediate, k = c.shape.top_k;
   const int64_t t_max = c.max_tokens_per_rank;
   const int64_t rows = max_rows + kRowSlack;
@@ -66,6 +67,7 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, int64
   v.h_q = carver.take<uint8_t>(rows * inter);
   v.h_sf = carver.take<uint8_t>(rows * inter / kScaleBlock);
   v.h_act = carver.take<uint16_t>(rows * inter);
+  if (ep) v.row_dst = carver.take<uint16_t*>(rows);
   if (c.precision == Precision::kFp8) {
     const int64_t e_l = c.num_local_experts();
     v.act_fp8 = carver.take<uint8_t>(rows * h);
@@ -241,9 +243,9 @@ void Sm90Layer::init_workspace() {
     ep::load_kernels();
   }
   int64_t bytes = 0;
-  carve(nullptr, config_, max_rows_, &bytes);
+  carve(nullptr, config_, max_rows_, ep_ != nullptr, &bytes);
   workspace_ = Buffer(bytes, here);
-  view_ = carve(workspace_.as<uint8_t>(), config_, max_rows_, &bytes);
+  view_ = carve(workspace_.as<uint8_t>(), config_, max_rows_, ep_ != nullptr, &bytes);
   // Slack rows are read (never written back) by GEMM tiles past the last row: keep them finite.
   MEGAMOE_CUDA_CHECK(cudaMemset(workspace_.data(), 0, static_cast<size_t>(bytes)));
   const DispatchError clean{kDispatchNoError, 0};
@@ -326,6 +328,7 @@ L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, b
   l2.small_scales = w2_small_scales_;
   l2.w2_bias = weights_->has_bias() ? weights_->w2_bias.as<uint16_t>() : nullptr;
   l2.out = view_.out;
+  l2.out_rows = view_.row_dst;  // under expert parallelism: straight to the sources' combine slots
   l2.split_k = view_.split_k;
   l2.tile = tile_;
   if (fp8) {
@@ -339,11 +342,11 @@ L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, b
 }
 
 bool Sm90Layer::launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
-                                   cudaStream_t stream, const MegaTail& tail,
-                                   const int32_t* topk_idx, int64_t topk_slots) {
+                                   cudaStream_t stream, const int32_t* topk_idx,
+                                   int64_t topk_slots) {
   if (!config_.sm90.mega_kernel || fp8) return false;
   return launch_mega(l1_args(rows_hint, per_expert_max, pdl, false, topk_idx, topk_slots),
-                     l2_args(rows_hint, per_expert_max, pdl), view_.mega, stream, tail);
+                     l2_args(rows_hint, per_expert_max, pdl), view_.mega, stream);
 }
 
 void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
@@ -415,8 +418,8 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   // writes row_offsets) L1's schedule is counted from the ids (L1Args::topk_idx).
   const RowsHint rows = rows_hint(config_, num_tokens, slots);
   const int32_t* schedule_ids = front ? topk_idx : nullptr;
-  if (!launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream, MegaTail{},
-                          schedule_ids, slots)) {
+  if (!launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream, schedule_ids,
+                          slots)) {
     launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8, schedule_ids, slots), stream);
     if (fp8) {
       launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
@@ -442,10 +445,10 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
 //                   of up to kFusedSendMaxTokens tokens: these two stages are done inside ep
 //                   dispatch, which quantizes each token's row and stores it to its owners)
 //   ep dispatch     wait for every rank's tokens; row lists of the received slots
-//   gather, L1, L2  on the received rows (the one-GPU kernels; the MegaMoE kernel, where it runs
-//                   L1 and L2, also writes each row to its source's combine slot)
-//   ep return       each row to its source's combine slot t*K + k (unless the MegaMoE kernel
-//                   did); wait for every rank's rows
+//   gather, L1, L2  on the received rows (the one-GPU kernels, or the MegaMoE kernel for both
+//                   GEMMs); L2's epilogue writes each row to its source's combine slot t*K + k
+//                   (L2Args::out_rows, the dispatch's row_dst)
+//   ep return       publish that this rank's rows are in place; wait for every rank's
 //   combine         y from this rank's combine slots, ascending k (the one-GPU kernel)
 void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                            int64_t num_tokens, uint16_t* y, cudaStream_t stream) {
@@ -478,7 +481,9 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   send.error = view_.error;
   send.error_flag = error_flag_dev_;
   if (!fused_send) ep::launch_send(p, send, stream, pdl);
-  ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights, stream, pdl);
+  // row_dst: each received row's destination, its source's combine slot, where L2 writes it.
+  ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights,
+                      view_.row_dst, stream, pdl);
   // The FP8 mode by the group's tokens, estimated as this rank's T times the ranks (each local
   // expert expects T*R*K/E rows): ranks with similar T decide alike, and EP = R decides as EP = 1
   // does on the R ranks' tokens together (LayerConfig::fp8_min_rows_per_expert).
@@ -494,17 +499,9 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   }
 
   const RowsHint rows = ep_rows_hint(config_, t, g.size, max_rows_);
-  // The MegaMoE kernel writes L2's rows straight into their sources' combine slots; the return
-  // then only signals.
-  MegaTail tail;
-  tail.ep_size = g.size;
-  tail.ep_peers = p.peers;
-  tail.ep_combine_offset = w.combine;
-  tail.ep_t_max = w.t_max;
-  tail.row_slot = view_.row_slot;
-  tail.top_k = static_cast<int>(s.top_k);
-  const bool fused = launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream, tail);
-  if (!fused) {
+  // L2 (chained or in the MegaMoE kernel) writes its rows straight into their sources' combine
+  // slots (l2_args: out_rows = row_dst); the return then only signals and waits.
+  if (!launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream)) {
     launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
     if (fp8) {
       launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
@@ -514,7 +511,7 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
     launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
   }
 
-  ep::launch_return(p, fused ? nullptr : view_.out, view_.row_offsets, view_.row_slot, stream, pdl);
+  ep::launch_return(p, nullptr, view_.row_offsets, view_.row_slot, stream, pdl);
   if (t > 0)
     launch_combine(reinterpret_cast<const uint16_t*>(window + w.combine), view_.slot_to_row, t,
                    s.top_k, s.hidden, y, stream, pdl);

@@ -62,6 +62,9 @@ struct WorkspaceView {
   uint8_t* h_q = nullptr;          // [rows, I]
   uint8_t* h_sf = nullptr;         // [rows, I/32]
   uint16_t* h_act = nullptr;       // [rows, I]
+  // Under expert parallelism: row r's destination, its source rank's combine slot (written by the
+  // EP dispatch; L2Args::out_rows, so L2 returns the rows itself); null on one GPU.
+  uint16_t** row_dst = nullptr;    // [rows]
   // FP8 mode (config.precision fp8; null otherwise): the E4M3 rows of the FP8 GEMM tiles and
   // their row factors (launch_rebase_rows_e4m3), and the weights' row exponents.
   uint8_t* act_fp8 = nullptr;      // [rows, H]
@@ -144,11 +147,10 @@ class Sm90Layer {
                  const int32_t* topk_idx = nullptr, int64_t topk_slots = 0) const;
   L2Args l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false) const;
   // Both GEMMs in one launch of the MegaMoE kernel where config.sm90.mega_kernel is on and its
-  // policy takes the call (launch_mega), L2's rows where `tail` says (under EP: the sources'
-  // combine slots); false: nothing launched, the caller chains them.
+  // policy takes the call (launch_mega); false: nothing launched, the caller chains them.
   bool launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
-                          cudaStream_t stream, const MegaTail& tail,
-                          const int32_t* topk_idx = nullptr, int64_t topk_slots = 0);
+                          cudaStream_t stream, const int32_t* topk_idx = nullptr,
+                          int64_t topk_slots = 0);
   void forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                   int64_t num_tokens, uint16_t* y, cudaStream_t stream);
 

@@ -53,8 +53,7 @@ int64_t mega_split_partial_floats(int sm_count) {
          tile_config(TileId::kDecode128x16K2WarpSplitK).split_unit_floats();
 }
 
-bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream,
-                 const MegaTail& tail) {
+bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream) {
   if (a1.act_fp8 != nullptr || a2.h_fp8 != nullptr) return false;  // the FP8 mode: chained
   TileQuery q;
   q.rows_hint = a1.rows_hint;
@@ -103,18 +102,6 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
   mp.ready = ws.ready;
   mp.consumed = ws.consumed;
   mp.ready_capacity = static_cast<int>(std::min<int64_t>(ws.capacity, INT32_MAX));
-  if (tail.ep_size > 0) {
-    MEGAMOE_CHECK_ARG(tail.ep_size <= MegaParams::kMaxPeers && tail.ep_peers != nullptr &&
-                          tail.row_slot != nullptr && tail.top_k > 0 && tail.ep_t_max > 0,
-                      "launch_mega: the EP return needs 1..", MegaParams::kMaxPeers,
-                      " peers, row_slot, top_k > 0 and t_max > 0, got ", tail.ep_size, " ranks");
-    for (int r = 0; r < tail.ep_size; ++r) mp.ep_peers[r] = tail.ep_peers[r];
-    mp.ep_size = tail.ep_size;
-    mp.ep_combine_offset = tail.ep_combine_offset;
-    mp.ep_t_max = tail.ep_t_max;
-    mp.row_slot = tail.row_slot;
-    mp.top_k = tail.top_k;
-  }
   kMegaLaunchers[mega_tile_index(choice.tile)](mp, a1.act, a2.h_act, stream);
   return true;
 }

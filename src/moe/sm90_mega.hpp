@@ -26,20 +26,6 @@ struct MegaWorkspace {
   bool empty() const { return ready == nullptr || consumed == nullptr; }
 };
 
-// Under expert parallelism (ep_size > 0), the kernel writes each of L2's rows straight into its
-// source rank's combine slot, the copy ep_return makes after the chain (the caller's return then
-// only signals, ep::launch_return with out = nullptr): ep_peers the ranks' window bases,
-// ep_combine_offset the combine region's offset in every window, row_slot the EP dispatch's
-// places (s * t_max + t) * top_k + k. Default (ep_size = 0): L2's rows to l2.out.
-struct MegaTail {
-  int ep_size = 0;
-  uint8_t* const* ep_peers = nullptr;  // [ep_size]
-  int64_t ep_combine_offset = 0;
-  int64_t ep_t_max = 0;
-  const int32_t* row_slot = nullptr;
-  int top_k = 0;
-};
-
 // Counters each of `ready` and `consumed` needs for a layer of max_rows rows over num_experts
 // local experts, for every tile of kMegaTiles (the most slots: the smallest BLOCK_N).
 int64_t mega_counters(int64_t max_rows, int num_experts);
@@ -54,10 +40,9 @@ int64_t mega_split_partial_floats(int sm_count);
 // l2 are the arguments the two launches would get (the same experts, rows and row_offsets;
 // l1.split_k.unit_counter is required; their split_k partials are not used: ws has the fused
 // kernel's own). l1.k_splits / l2.k_splits: 0 the policy's parts, n >= 1 n parts of each tile
-// (a split tile, ws's split workspace). Asynchronous, capturable.
-// `tail`: where L2's rows go under expert parallelism (MegaTail; default: l2.out).
-bool launch_mega(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws, cudaStream_t stream,
-                 const MegaTail& tail = {});
+// (a split tile, ws's split workspace). Asynchronous, capturable. Under expert parallelism
+// l2.out_rows sends L2's rows to their sources' combine slots, as the chained L2 does.
+bool launch_mega(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws, cudaStream_t stream);
 
 // Loads every MegaMoE kernel now (see load_gemm_kernels).
 void load_mega_kernels();
