@@ -149,44 +149,32 @@ __device__ __forceinline__ void warp_copy(T* __restrict__ dst, const T* __restri
 // 16-byte elements in flight per lane: a 7168-byte row in one round.
 constexpr int kCopyBatch = 16;
 
-// Tokens warp / split, + num_warps / split, ... of this rank, split = the warps per token where
-// there are more warps than tokens, else 1: for every rank d,
-// the token's ids and weights into d's recv_idx/recv_w (so d never reads a stale id); the token's
-// row and scales into d's recv_xq/recv_sf when d owns one of its experts (once per rank, not per
-// expert), each of the token's warps copying its share of them.
-template <int kBatch>
+// Tokens warp, warp + num_warps, ... of this rank (ep_send: calls above kFusedSendMaxTokens), one
+// warp each: for every rank d, the token's ids and weights into d's recv_idx/recv_w (so d never
+// reads a stale id); the token's row and scales into d's recv_xq/recv_sf when d owns one of its
+// experts (once per rank, not per expert).
 __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t warp,
                                    int64_t num_warps) {
   const WindowLayout& L = p.layout;
   const int lane = threadIdx.x % 32;
   const int64_t K = L.top_k, H = L.hidden, sf_row = H / 32;
   const int64_t src_token0 = static_cast<int64_t>(p.rank) * L.t_max;  // our rows in peers' recv
-  const int64_t tokens = p.num_tokens > 0 ? p.num_tokens : 1;
-  const int64_t split = num_warps > tokens ? num_warps / tokens : 1;
-  const int64_t part = warp % split;
-  // This warp's share of a row's 16-byte chunks and of its scale bytes.
-  const int64_t c0 = part * (H / 16) / split, c1 = (part + 1) * (H / 16) / split;
-  const int64_t s0 = part * sf_row / split, s1 = (part + 1) * sf_row / split;
-  for (int64_t t = warp / split; t < p.num_tokens; t += num_warps / split) {
+  for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
     uint64_t mask = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
       const int64_t k = k0 + lane;
       if (k < K) {
         const int64_t slot = t * K + k;
-        // With errors.num_local = E, dispatch_local_expert returns the global id (or -1). The
-        // token's first warp records invalid ids and writes the ids, weights and slot map.
-        const int32_t raw = __ldg(a.topk_idx + slot);
-        const int32_t id = part == 0 ? sm90::dispatch_local_expert<true>(a.errors, raw, slot)
-                                     : sm90::dispatch_local_expert<false>(a.errors, raw, slot);
+        // With errors.num_local = E, dispatch_local_expert returns the global id (or -1).
+        const int32_t id =
+            sm90::dispatch_local_expert<true>(a.errors, __ldg(a.topk_idx + slot), slot);
         if (id >= 0) mask |= 1ull << (id / p.num_local);
-        if (part == 0) {
-          const float w = __ldg(a.topk_weights + slot);
-          a.slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
-          const int64_t at = (src_token0 + t) * K + k;
-          for (int d = 0; d < p.size; ++d) {
-            region<int32_t>(p.peers[d], L.recv_idx)[at] = id;
-            region<float>(p.peers[d], L.recv_w)[at] = w;
-          }
+        const float w = __ldg(a.topk_weights + slot);
+        a.slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
+        const int64_t at = (src_token0 + t) * K + k;
+        for (int d = 0; d < p.size; ++d) {
+          region<int32_t>(p.peers[d], L.recv_idx)[at] = id;
+          region<float>(p.peers[d], L.recv_w)[at] = w;
         }
       }
     }
@@ -200,9 +188,9 @@ __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t
       mask &= mask - 1;
       uint4* dst = reinterpret_cast<uint4*>(region<uint8_t>(p.peers[d], L.recv_xq) +
                                             (src_token0 + t) * H);
-      warp_copy<kBatch>(dst + c0, row + c0, c1 - c0, lane);
+      warp_copy<kCopyBatch>(dst, row, H / 16, lane);
       uint8_t* dst_sf = region<uint8_t>(p.peers[d], L.recv_sf) + (src_token0 + t) * sf_row;
-      warp_copy<kBatch>(dst_sf + s0, sf + s0, s1 - s0, lane);
+      warp_copy<kCopyBatch>(dst_sf, sf, sf_row, lane);
     }
   }
 }
@@ -280,7 +268,7 @@ __global__ void __launch_bounds__(kSendThreads)
 ep_send_kernel(const EpParams p, const SendArgs a) {
   ptx::grid_dependency_wait();  // PDL: the quantized input is complete
   ptx::launch_dependents();     // the successor (ep_dispatch) is one CTA
-  send_tokens<kCopyBatch>(p, a, static_cast<int64_t>(blockIdx.x) * kSendWarps + threadIdx.x / 32,
+  send_tokens(p, a, static_cast<int64_t>(blockIdx.x) * kSendWarps + threadIdx.x / 32,
               static_cast<int64_t>(gridDim.x) * kSendWarps);
   if (last_cta(&local_state(p)->send_ticket) && threadIdx.x == 0) publish_dispatch(p);
 }
