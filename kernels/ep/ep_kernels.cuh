@@ -51,6 +51,15 @@ __device__ __forceinline__ EpLocal* local_state(const EpParams& p) {
   return region<EpLocal>(p.peers[p.rank], p.layout.local);
 }
 
+// The combine slot (bf16 [H]) in its source rank's window of the received row whose place in the
+// received slots is `place` ((s * t_max + t) * K + k: the dispatch's row_slot).
+__device__ __forceinline__ uint16_t* combine_row(const EpParams& p, int32_t place) {
+  const WindowLayout& L = p.layout;
+  const ReturnSlot to = return_slot(static_cast<uint32_t>(place), static_cast<uint32_t>(L.top_k),
+                                    static_cast<uint32_t>(L.t_max));
+  return region<uint16_t>(p.peers[to.rank], L.combine) + static_cast<int64_t>(to.slot) * L.hidden;
+}
+
 // Records the window's first error (later ones only count) and raises the host-visible flag.
 __device__ inline void record_error(const EpParams& p, StatusCode code, Stage stage, int32_t peer,
                                     uint64_t expected, uint64_t observed) {
@@ -149,10 +158,28 @@ __device__ __forceinline__ void warp_copy(T* __restrict__ dst, const T* __restri
 // 16-byte elements in flight per lane: a 7168-byte row in one round.
 constexpr int kCopyBatch = 16;
 
+// Slot k of this rank's token t (both sends): its expert id (invalid ids recorded, as the one-GPU
+// dispatch records them) and weight into every rank's recv_idx / recv_w (so no rank reads a stale
+// id) and its entry of the combine's slot map. Returns the global id, or -1.
+__device__ __forceinline__ int32_t send_slot(const EpParams& p, const SendArgs& a, int64_t t,
+                                             int64_t k) {
+  const WindowLayout& L = p.layout;
+  const int64_t slot = t * L.top_k + k;
+  // With errors.num_local = E, dispatch_local_expert returns the global id (or -1).
+  const int32_t id = sm90::dispatch_local_expert<true>(a.errors, __ldg(a.topk_idx + slot), slot);
+  const float w = __ldg(a.topk_weights + slot);
+  a.slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
+  const int64_t at = (static_cast<int64_t>(p.rank) * L.t_max + t) * L.top_k + k;
+  for (int d = 0; d < p.size; ++d) {
+    region<int32_t>(p.peers[d], L.recv_idx)[at] = id;
+    region<float>(p.peers[d], L.recv_w)[at] = w;
+  }
+  return id;
+}
+
 // Tokens warp, warp + num_warps, ... of this rank (ep_send: calls above kFusedSendMaxTokens), one
-// warp each: for every rank d, the token's ids and weights into d's recv_idx/recv_w (so d never
-// reads a stale id); the token's row and scales into d's recv_xq/recv_sf when d owns one of its
-// experts (once per rank, not per expert).
+// warp each: the token's slots (send_slot), then its row and scales into rank d's recv_xq/recv_sf
+// when d owns one of its experts (once per rank, not per expert).
 __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t warp,
                                    int64_t num_warps) {
   const WindowLayout& L = p.layout;
@@ -164,18 +191,8 @@ __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
       const int64_t k = k0 + lane;
       if (k < K) {
-        const int64_t slot = t * K + k;
-        // With errors.num_local = E, dispatch_local_expert returns the global id (or -1).
-        const int32_t id =
-            sm90::dispatch_local_expert<true>(a.errors, __ldg(a.topk_idx + slot), slot);
+        const int32_t id = send_slot(p, a, t, k);
         if (id >= 0) mask |= 1ull << (id / p.num_local);
-        const float w = __ldg(a.topk_weights + slot);
-        a.slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
-        const int64_t at = (src_token0 + t) * K + k;
-        for (int d = 0; d < p.size; ++d) {
-          region<int32_t>(p.peers[d], L.recv_idx)[at] = id;
-          region<float>(p.peers[d], L.recv_w)[at] = w;
-        }
       }
     }
     const uint32_t lo = __reduce_or_sync(0xFFFFFFFFu, static_cast<uint32_t>(mask));
@@ -195,9 +212,8 @@ __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t
   }
 }
 
-// Token t of this call, by the whole CTA (ep_dispatch's fused send): its ids and weights into
-// every rank's recv_idx / recv_w and its slot map (invalid ids recorded, as send_tokens does),
-// then its row of x quantized (each thread kQuantVec channels, the quantize kernel's
+// Token t of this call, by the whole CTA (ep_dispatch's fused send): its slots (send_slot), then
+// its row of x quantized (each thread kQuantVec channels, the quantize kernel's
 // quantize_chunk: the same codes) and the codes and scales stored from registers into the
 // recv_xq / recv_sf rows of every rank owning one of its experts. s_mask: shared memory.
 // NOTES: why: the layer's quantize launch wrote x_q and ep_dispatch's single CTA then copied
@@ -218,16 +234,8 @@ __device__ inline void quantize_send_token(const EpParams& p, const SendArgs& a,
   if (threadIdx.x == 0) *s_mask = 0;
   __syncthreads();
   for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
-    const int64_t slot = t * K + k;
-    // With errors.num_local = E, dispatch_local_expert returns the global id (or -1).
-    const int32_t id = sm90::dispatch_local_expert<true>(a.errors, __ldg(a.topk_idx + slot), slot);
-    const float w = __ldg(a.topk_weights + slot);
+    const int32_t id = send_slot(p, a, t, k);
     if (id >= 0) atomicOr(s_mask, 1ull << (id / p.num_local));
-    a.slot_map[slot] = id >= 0 ? static_cast<int32_t>(slot) : -1;
-    for (int d = 0; d < p.size; ++d) {
-      region<int32_t>(p.peers[d], L.recv_idx)[at * K + k] = id;
-      region<float>(p.peers[d], L.recv_w)[at * K + k] = w;
-    }
   }
   __syncthreads();
   const unsigned long long mask = *s_mask;
@@ -372,12 +380,8 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   }
   if (row_dst != nullptr && placed) {
     __syncthreads();  // the sort's row_slot stores, made by every thread of the CTA
-    const uint32_t K = static_cast<uint32_t>(L.top_k), t_max = static_cast<uint32_t>(L.t_max);
-    for (int32_t r = threadIdx.x; r < rows; r += blockDim.x) {
-      const ReturnSlot to = return_slot(static_cast<uint32_t>(d.row_slot[r]), K, t_max);
-      row_dst[r] = region<uint16_t>(p.peers[to.rank], L.combine) +
-                   static_cast<int64_t>(to.slot) * L.hidden;
-    }
+    for (int32_t r = threadIdx.x; r < rows; r += blockDim.x)
+      row_dst[r] = combine_row(p, d.row_slot[r]);
   }
 }
 
@@ -400,16 +404,13 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
   if (p.early_launch) ptx::launch_dependents();
   const WindowLayout& L = p.layout;
   const int lane = threadIdx.x % 32;
-  const int64_t K = L.top_k, H = L.hidden;
+  const int64_t H = L.hidden;
   // out == nullptr: L2 wrote the rows to their combine slots already; only the signals remain.
   const int64_t rows = out != nullptr ? __ldg(row_offsets + p.num_local) : 0;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kReturnWarps + threadIdx.x / 32; r < rows;
        r += static_cast<int64_t>(gridDim.x) * kReturnWarps) {
-    const ReturnSlot to = return_slot(static_cast<uint32_t>(__ldg(row_slot + r)),
-                                      static_cast<uint32_t>(K), static_cast<uint32_t>(L.t_max));
     const uint4* src = reinterpret_cast<const uint4*>(out + r * H);
-    uint4* dst = reinterpret_cast<uint4*>(region<uint16_t>(p.peers[to.rank], L.combine) +
-                                          static_cast<int64_t>(to.slot) * H);
+    uint4* dst = reinterpret_cast<uint4*>(combine_row(p, __ldg(row_slot + r)));
     warp_copy<kCopyBatch>(dst, src, H / 8, lane);
   }
   EpLocal* me = local_state(p);

@@ -51,17 +51,11 @@ __device__ __forceinline__ void finish_l2_block(const GemmParams& p, const TileI
   constexpr int kColsPerPass = kThreads / kThreadsPerCol;
   const int k8 = tid % kThreadsPerCol;
   const int n0 = mblk * sm90_layout::kBlockRows + 8 * k8;
-  if (p.out_rows != nullptr) {
-    for (int col = tid / kThreadsPerCol; col < tile.num_rows; col += kColsPerPass) {
-      const uint4 v = *reinterpret_cast<const uint4*>(stage + col * kPitch + 8 * k8);
-      *reinterpret_cast<uint4*>(p.out_rows[tile.row0 + col] + n0) = v;
-    }
-    return;
-  }
-  const int H = p.m_rows;
   for (int col = tid / kThreadsPerCol; col < tile.num_rows; col += kColsPerPass) {
     const uint4 v = *reinterpret_cast<const uint4*>(stage + col * kPitch + 8 * k8);
-    *reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(tile.row0 + col) * H + n0) = v;
+    const int64_t row = tile.row0 + col;
+    uint16_t* dst = p.out_rows != nullptr ? p.out_rows[row] : p.out + row * p.m_rows;
+    *reinterpret_cast<uint4*>(dst + n0) = v;
   }
 }
 
