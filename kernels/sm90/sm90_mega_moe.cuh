@@ -10,9 +10,11 @@
 // that running CTAs will finish, whatever the residency (several virtual EP ranks' kernels, or
 // an EP kernel's waiting CTA, sharing the SMs).
 //
-// Roles (the decode tiles' shape, TileConfig::mega_kernel: one math warpgroup that finishes its
-// own tiles from registers, one producer warp; a split-K tile splits either GEMM's tiles in K,
-// the last part to arrive summing the parts in part order and finishing the tile):
+// Roles (TileConfig::mega_kernel: the decode tiles' shape, one math warpgroup that finishes its
+// own tiles from registers and one producer warp, a split-K tile splitting either GEMM's tiles in
+// K, the last part to arrive summing the parts in part order and finishing the tile; or a prefill
+// tile, two math warpgroups and a producer warpgroup with setmaxnreg, whose epilogue is staged in
+// the math warpgroups or, asynchronous, finished by the producer warpgroup's other warps):
 //   producer thread: per unit, its stages' weight copies and B boxes (L1: the gathered act rows,
 //                    L2: h_act). An L2 unit reads the slot's counter (ld.acquire.gpu); if the
 //                    slot is not ready, it issues the weight copies of its first stages (they
@@ -24,9 +26,14 @@
 //   math warpgroup:  the mainloop of the tile's GEMM, then its epilogue (L1: activation, routing
 //                    weight, requantization to h_q / h_sf / h_act; L2: out, or under expert
 //                    parallelism out_rows, each row's source rank's combine slot, as the chained
-//                    L2 writes it). After an L1 tile, a
-//                    warpgroup barrier, and one thread adds 1 to the slot's ready counter with
-//                    release semantics (red.release.gpu): the rows' stores are published.
+//                    L2 writes it). After an L1 tile, a barrier of the threads that stored its
+//                    rows, and one thread adds 1 to the slot's ready counter with release
+//                    semantics (red.release.gpu): the rows' stores are published.
+//   epilogue warps:  (asynchronous prefill tiles) each math warpgroup stages its blocks and names
+//                    the unit in shared memory (s_epi_unit) before its staging barrier; the
+//                    epilogue warps finish the blocks, hand the staging area back, and publish an
+//                    L1 tile as above. After its last unit each math warpgroup stages the unit
+//                    -1, which ends them.
 // Numerics: every output is the same mainloop over the same operands as the chained launch of
 // the same tile, so the results are the chain's bit for bit.
 #pragma once
@@ -72,7 +79,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
                      const __grid_constant__ CUtensorMap tmap_h,
                      const __grid_constant__ MegaParams mp) {
-  static_assert(Cfg::kTile.mega_kernel() && Cfg::kNumMathWG == 1 && !Cfg::kUseSetMaxNReg,
+  static_assert(Cfg::kTile.mega_kernel() && (Cfg::kNumMathWG == 1) != Cfg::kUseSetMaxNReg,
                 "the MegaMoE kernel runs the tiles of TileConfig::mega_kernel");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
@@ -82,22 +89,32 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   uint64_t* full_bars = reinterpret_cast<uint64_t*>(smem + Cfg::kOffBars);
   uint64_t* empty_bars = full_bars + Cfg::kNumStages;
   float* smem_amax = reinterpret_cast<float*>(smem + Cfg::kOffAmax);
+  uint16_t* smem_stage = reinterpret_cast<uint16_t*>(smem + Cfg::kOffStage);  // prefill tiles
   const int num_experts = mp.l1.num_experts;
   int32_t* s_offsets = reinterpret_cast<int32_t*>(smem + Cfg::kOffSchedule);
   int32_t* s_prefix1 = s_offsets + (num_experts + 1);
   int32_t* s_prefix2 = s_prefix1 + (num_experts + 1);
 
+  const int wg = threadIdx.x / Cfg::kWarpgroupThreads;
   const int tid = threadIdx.x % Cfg::kWarpgroupThreads;
   const int m_blocks1 = mp.l1.m_rows / sm90_layout::kBlockRows;
   const int m_blocks2 = mp.l2.m_rows / sm90_layout::kBlockRows;
   const int m_tiles1 = (m_blocks1 + Cfg::kMBlocksPerCta - 1) / Cfg::kMBlocksPerCta;
   const int m_tiles2 = (m_blocks2 + Cfg::kMBlocksPerCta - 1) / Cfg::kMBlocksPerCta;
   const int k_blocks1 = mp.l1.k / Cfg::kBlockK, k_blocks2 = mp.l2.k / Cfg::kBlockK;
+  // The barrier of the threads that store an L1 tile's rows before one of them publishes it:
+  // the math warpgroup (decode tiles), both math warpgroups (staged prefill tiles), or the
+  // epilogue warps (asynchronous ones); after the named barriers the epilogues use.
+  constexpr int kBarPublish = Cfg::kAsyncEpilogue ? Cfg::kBarStageFree + 2 * Cfg::kNumMathWG - 1
+                                                  : (Cfg::kNumMathWG == 1 ? 1 : 1 + Cfg::kNumMathWG);
+  constexpr int kPublishThreads = Cfg::kAsyncEpilogue ? Cfg::kEpilogueThreads
+                                                      : Cfg::kNumMathWG * Cfg::kWarpgroupThreads;
+  static_assert(kBarPublish <= 15, "named barriers 0..15");
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kNumStages; ++s) {
       ptx::mbar_init(&full_bars[s], 1);
-      ptx::mbar_init(&empty_bars[s], Cfg::kWarpgroupThreads);
+      ptx::mbar_init(&empty_bars[s], Cfg::kWarpgroupThreads * Cfg::kNumMathWG);  // every math thread
     }
     ptx::mbar_init_fence();
     ptx::prefetch_tensor_map(&tmap_act);
@@ -107,12 +124,19 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   // schedule (row_offsets: written two launches back) is built before the wait for the previous
   // kernel. No weights are: every unit, the first one included, is taken from the unit counter,
   // which is only valid after the wait (a unit fixed per CTA would be held by a CTA that may not
-  // be resident while the others wait on it: deadlock).
-  const bool prefetch = mp.l1.prefetch_before_wait != 0;
+  // be resident while the others wait on it: deadlock). The prefill tiles (setmaxnreg) wait
+  // first, as their GEMM launches do, and read row_offsets.
+  const bool prefetch = !Cfg::kUseSetMaxNReg && mp.l1.prefetch_before_wait != 0;
   if (!prefetch) ptx::grid_dependency_wait();
-  build_schedule<Cfg::kThreads, Cfg::kBlockN>(mp.l1.row_offsets, num_experts, mp.l1.max_rows,
-                                              m_tiles1, s_offsets, s_prefix1, mp.l1.topk_idx,
-                                              mp.l1.topk_slots, mp.l1.topk_first_local);
+  if constexpr (Cfg::kUseSetMaxNReg) {
+    build_schedule_rounds<Cfg::kThreads, Cfg::kBlockN>(mp.l1.row_offsets, num_experts,
+                                                       mp.l1.max_rows, m_tiles1, s_offsets,
+                                                       s_prefix1);
+  } else {
+    build_schedule<Cfg::kThreads, Cfg::kBlockN>(mp.l1.row_offsets, num_experts, mp.l1.max_rows,
+                                                m_tiles1, s_offsets, s_prefix1, mp.l1.topk_idx,
+                                                mp.l1.topk_slots, mp.l1.topk_first_local);
+  }
   __syncthreads();
   for (int e = threadIdx.x; e <= num_experts; e += Cfg::kThreads) {
     s_prefix2[e] = s_prefix1[e] / m_tiles1 * m_tiles2;  // the same n-tiles, L2's m-tiles
@@ -154,10 +178,59 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   if (ms.num_slots() > mp.ready_capacity) __trap();
   // The unit each stage starts (written before the stage's first arrival; -1: no more units).
   __shared__ int32_t s_stage_unit[Cfg::kNumStages];
+  // Asynchronous epilogue: the unit each math warpgroup has staged (-1: none left) and its tile.
+  __shared__ int32_t s_epi_unit[Cfg::kNumMathWG];
+  __shared__ TileInfo s_epi_tile[Cfg::kNumMathWG];
 
-  if (threadIdx.x >= Cfg::kWarpgroupThreads) {
+  if (wg >= Cfg::kNumMathWG) {
+    if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    // Thread index within the producer's warpgroup(s): 0 the producer, 32.. the epilogue.
+    const int ptid = static_cast<int>(threadIdx.x) - Cfg::kNumMathWG * Cfg::kWarpgroupThreads;
+    if constexpr (Cfg::kAsyncEpilogue) {
+      if (ptid >= 32) {
+        // ============================ epilogue warps ============================
+        // Per unit and math warpgroup w: wait until w has staged its blocks, finish them, hand
+        // the staging area back; after an L1 tile's blocks of every warpgroup, publish it. Every
+        // hand-back is matched: each math warpgroup waits for it before staging its next unit
+        // or the final -1.
+        const int etid = ptid - 32;
+        for (;;) {
+          int u = -1;
+          TileInfo tile{};  // the unit's tile (the math warpgroups stage it beside the unit)
+#pragma unroll 1
+          for (int w = 0; w < Cfg::kNumMathWG; ++w) {
+            ptx::named_barrier_sync(Cfg::kBarStaged + 2 * w, Cfg::kStageSyncThreads);
+            u = s_epi_unit[w];
+            if (u < 0) continue;
+            tile = s_epi_tile[w];
+#pragma unroll 1
+            for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+              const int lm = w * Cfg::kMBlocksPerWG + sub;
+              if (lm >= tile.num_m_blocks) break;
+              const uint16_t* blk = smem_stage + static_cast<size_t>(lm) * Cfg::kBlockN * Cfg::kStagePitch;
+              if (u < l1_units) {
+                with_activation_kind(mp.l1.activation.kind, [&](auto kind) {
+                  constexpr ActivationKind kAct = decltype(kind)::value;
+                  finish_l1_block<Cfg, kAct, Cfg::kEpilogueThreads>(mp.l1, tile, tile.m_block0 + lm,
+                                                                    blk, etid);
+                });
+              } else {
+                finish_l2_block<Cfg, Cfg::kEpilogueThreads>(mp.l2, tile, tile.m_block0 + lm, blk, etid);
+              }
+            }
+            ptx::named_barrier_arrive(Cfg::kBarStageFree + 2 * w, Cfg::kStageSyncThreads);
+          }
+          if (u < 0) break;
+          if (u < l1_units) {
+            ptx::named_barrier_sync(kBarPublish, kPublishThreads);
+            if (etid == 0) ptx::red_release_gpu_add(mp.ready + ms.slot(tile), 1);
+          }
+        }
+        return;
+      }
+    }
     // ================================ producer ================================
-    if (threadIdx.x != Cfg::kWarpgroupThreads) return;
+    if (ptid != 0) return;
     const uint64_t policy = ptx::policy_evict_first();
     constexpr int kKSub = Cfg::kKBlocksPerStage;
     int stage = 0;
@@ -192,8 +265,9 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       }
     };
     if (prefetch) ptx::grid_dependency_wait();
-    // Every read of the previous kernels' outputs and of the counters comes after the wait.
-    ptx::launch_dependents();
+    // Every read of the previous kernels' outputs and of the counters comes after the wait. The
+    // prefill tiles release the next kernel only when they exit, as their GEMM launches do.
+    if constexpr (!Cfg::kUseSetMaxNReg) ptx::launch_dependents();
     int u = atomicAdd(mp.l1.unit_counter, 1);
     while (u < num_units) {
       const bool l1 = u < l1_units;
@@ -232,7 +306,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       }
       u = atomicAdd(mp.l1.unit_counter, 1);
     }
-    // No more units: tell the math warpgroup, count this CTA out; the last one sets the unit
+    // No more units: tell the math warpgroups, count this CTA out; the last one sets the unit
     // counters back to zero.
     ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
     s_stage_unit[stage] = -1;
@@ -244,12 +318,15 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     }
   } else {
     // ================================ math ================================
+    if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_inc<Cfg::kMathRegs>();
     if (prefetch) ptx::grid_dependency_wait();  // before the first output store
     using ML = Mainloop<Cfg>;
+    const int mwg = Cfg::kNumMathWG == 1 ? 0 : wg;  // this math warpgroup
     float acc[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2];
     const typename ML::RowExps rx{};  // exact mode
     int stage = 0;
     uint32_t phase = 0;
+    bool staged_any = false;  // asynchronous epilogue: a unit of this warpgroup is staged
     auto next_unit = [&] {
       ptx::mbar_wait(&full_bars[stage], phase);
       return static_cast<int>(s_stage_unit[stage]);
@@ -261,7 +338,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       k_range(u, kb_begin, kb_end);
       dispatch_n<Cfg::kNStep, Cfg::kBlockN>(tile.num_rows, [&](auto n_tag) {
         ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
-                                                  empty_bars, kb_end - kb_begin, 0, tid, stage,
+                                                  empty_bars, kb_end - kb_begin, mwg, tid, stage,
                                                   phase, rx);
       });
       if constexpr (Cfg::kSupportsSplitK) {
@@ -277,27 +354,72 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
           }
         }
       }
+      if constexpr (Cfg::kAsyncEpilogue) {
+        // Stage this warpgroup's blocks (once the epilogue warps have read the previous unit's),
+        // name the unit, and go on with the next one.
+        if (staged_any) ptx::named_barrier_sync(Cfg::kBarStageFree + 2 * mwg, Cfg::kStageSyncThreads);
+        staged_any = true;
+        uint16_t* wg_stage =
+            smem_stage + static_cast<size_t>(mwg) * Cfg::kMBlocksPerWG * Cfg::kBlockN * Cfg::kStagePitch;
+#pragma unroll
+        for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+          if (mwg * Cfg::kMBlocksPerWG + sub >= tile.num_m_blocks) continue;
+          const int mblk = tile.m_block0 + mwg * Cfg::kMBlocksPerWG + sub;
+          uint16_t* blk = wg_stage + static_cast<size_t>(sub) * Cfg::kBlockN * Cfg::kStagePitch;
+          if (l1) {
+            stage_l1_block<Cfg>(mp.l1, tile, mblk, acc[sub], blk, tid);
+          } else {
+            stage_l2_block<Cfg>(mp.l2, tile, mblk, acc[sub], blk, tid);
+          }
+        }
+        if (tid == 0) {
+          s_epi_unit[mwg] = u;
+          s_epi_tile[mwg] = tile;
+        }
+        ptx::named_barrier_arrive(Cfg::kBarStaged + 2 * mwg, Cfg::kStageSyncThreads);
+        continue;
+      }
       if (l1) {
 #pragma unroll
         for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
-          if (sub >= tile.num_m_blocks) continue;
+          if (mwg * Cfg::kMBlocksPerWG + sub >= tile.num_m_blocks) continue;
+          const int mblk = tile.m_block0 + mwg * Cfg::kMBlocksPerWG + sub;
           with_activation_kind(mp.l1.activation.kind, [&](auto kind) {
             constexpr ActivationKind kAct = decltype(kind)::value;
-            epilogue_l1<Cfg, kAct>(mp.l1, tile, tile.m_block0 + sub, acc[sub], smem_amax, 0, tid);
+            if constexpr (Cfg::kStagedEpilogue) {
+              epilogue_l1_staged<Cfg, kAct>(mp.l1, tile, mblk, acc[sub], smem_stage, mwg, tid);
+            } else {
+              epilogue_l1<Cfg, kAct>(mp.l1, tile, mblk, acc[sub], smem_amax, 0, tid);
+            }
           });
         }
-        // Publish the tile's rows: the barrier orders the warpgroup's stores before thread 0's
-        // release add.
-        ptx::named_barrier_sync(1, Cfg::kWarpgroupThreads);
-        if (tid == 0) ptx::red_release_gpu_add(mp.ready + ms.slot(tile), 1);
+        // Publish the tile's rows: the barrier orders the stores of every thread that wrote
+        // them before one thread's release add.
+        ptx::named_barrier_sync(kBarPublish, kPublishThreads);
+        if (mwg == 0 && tid == 0) ptx::red_release_gpu_add(mp.ready + ms.slot(tile), 1);
       } else {
         // (Under expert parallelism l2.out_rows sends each row to its source's combine slot.)
 #pragma unroll
         for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
-          if (sub >= tile.num_m_blocks) continue;
-          epilogue_l2<Cfg>(mp.l2, tile, tile.m_block0 + sub, acc[sub], tid);
+          if (mwg * Cfg::kMBlocksPerWG + sub >= tile.num_m_blocks) continue;
+          const int mblk = tile.m_block0 + mwg * Cfg::kMBlocksPerWG + sub;
+          if constexpr (Cfg::kStagedEpilogue) {
+            if (mp.l2.bias == nullptr) {
+              epilogue_l2_staged<Cfg>(mp.l2, tile, mblk, acc[sub], smem_stage, mwg, tid);
+            } else {
+              epilogue_l2<Cfg>(mp.l2, tile, mblk, acc[sub], tid);
+            }
+          } else {
+            epilogue_l2<Cfg>(mp.l2, tile, mblk, acc[sub], tid);
+          }
         }
       }
+    }
+    if constexpr (Cfg::kAsyncEpilogue) {
+      // No more units: once the epilogue warps have read this warpgroup's last one, stage -1.
+      if (staged_any) ptx::named_barrier_sync(Cfg::kBarStageFree + 2 * mwg, Cfg::kStageSyncThreads);
+      if (tid == 0) s_epi_unit[mwg] = -1;
+      ptx::named_barrier_arrive(Cfg::kBarStaged + 2 * mwg, Cfg::kStageSyncThreads);
     }
   }
 }

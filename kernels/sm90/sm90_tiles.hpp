@@ -55,10 +55,13 @@ struct TileConfig {
     return mainloop == MainloopKind::kOverlap && operands == OperandKind::kBf16;
   }
   constexpr bool fp8() const { return operands == OperandKind::kE4m3; }
-  // Whether the MegaMoE kernel (kernels/sm90/sm90_mega_moe.cuh) can run this tile: one math
-  // warpgroup that finishes its own tiles from registers, exact mode (a split-K tile splits L1).
+  // Whether the MegaMoE kernel (kernels/sm90/sm90_mega_moe.cuh) can run this tile, exact mode:
+  // one math warpgroup that finishes its own tiles from registers (decode; a split-K tile splits
+  // either GEMM), or an overlapped prefill tile with a staged or asynchronous epilogue.
   constexpr bool mega_kernel() const {
-    return math_warpgroups == 1 && epilogue == EpilogueKind::kRegisters && !fp8();
+    if (fp8()) return false;
+    return math_warpgroups == 1 ? epilogue == EpilogueKind::kRegisters
+                                : epilogue != EpilogueKind::kRegisters && mainloop == MainloopKind::kOverlap;
   }
   // FP32 partials of one split-K work unit: the warpgroup's accumulators.
   constexpr int split_unit_floats() const { return m_blocks_per_warpgroup * (block_n / 2) * 128; }

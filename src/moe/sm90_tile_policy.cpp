@@ -188,7 +188,22 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
     return {false, TileId::kDecode128x16K2Warp, 1, 1, "serial tiles: chained"};
   }
   const RowEstimate est = estimate_rows(l1.rows_hint, l1.max_rows, l1.num_experts);
-  if (est.avg > kDecodeMaxAvgRows) return {false, TileId::kDecode128x16K2Warp, 1, 1, "prefill: chained"};
+  if (est.avg > kDecodeMaxAvgRows) {
+    // The prefill tile L1's launch would take, for both GEMMs, where it (or its sibling) takes
+    // both K.
+    const auto takes = [&](TileId t) {
+      return mega_tile_index(t) >= 0 && l1.k % tile_config(t).k_multiple() == 0 &&
+             l2_k % tile_config(t).k_multiple() == 0;
+    };
+    // NOTES: only the staged tiles by default: the asynchronous ones run fused (forced) but
+    // measured 0.94-0.96x the chain's speed (docs/tuning-log.md v29).
+    const TileId tile = fit_k(fit_k(choose_tile(l1).tile, l1.k), l2_k);
+    if (tile_config(tile).epilogue == EpilogueKind::kStaged && takes(tile)) {
+      return {true, tile, 1, 1, "mega: prefill, L1's staged tile for both GEMMs"};
+    }
+    return {false, tile, 1, 1, "prefill: L1's tile is not a staged tile of the MegaMoE kernel "
+                               "(or does not take both K): chained"};
+  }
   // L1 split as choose_decode would split it on its own (L2 waits for it anyway).
   const TileId split_tile = fit_k(fit_k(kSplitTile, l1.k), l2_k);
   const int parts = decode_split_parts(l1, decode_tiles(l1, est), split_tile);

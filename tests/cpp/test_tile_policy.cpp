@@ -273,9 +273,10 @@ TEST(TilePolicy, DecodeWithoutWorkspace) {
   EXPECT_EQ(sm90::choose_tile(q).tile, TileId::kDecode128x8K4Warp);
 }
 
-// The MegaMoE kernel's policy (choose_mega_tile): decode-class calls with small scales, the tile
-// that takes both K; everything else chained.
-TEST(TilePolicy, MegaKernelTakesDecodeCallsOnly) {
+// The MegaMoE kernel's policy (choose_mega_tile): exact-mode calls with small scales; decode
+// classes on the decode tile that takes both K, prefill on L1's own tile where it takes both K;
+// everything else chained.
+TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
   auto query = [](const char* shape, int64_t tokens) {
     const LayerShape s = shape_preset(shape);
     sm90::TileQuery q;
@@ -299,12 +300,18 @@ TEST(TilePolicy, MegaKernelTakesDecodeCallsOnly) {
   for (const Case& c : {Case{"kimi-k3", 1, true, TileId::kDecode128x8K4Warp},
                         Case{"kimi-k3", 64, true, TileId::kDecode128x8K4Warp},
                         Case{"kimi-k3", 512, true, TileId::kDecode128x16K2Warp},
-                        Case{"kimi-k3", 4096, false, TileId::kDecode128x16K2Warp},
+                        Case{"kimi-k3", 4096, false, TileId::kPrefill256x96K2Async2},
+                        Case{"kimi-k3", 8192, false, TileId::kPrefill128x192Async},
                         Case{"deepseek-v3", 1, true, TileId::kDecode128x8K4Warp},
                         Case{"deepseek-v3", 64, true, TileId::kDecode128x8K4Warp},
-                        Case{"deepseek-v3", 512, false, TileId::kDecode128x16K2Warp},
+                        // the asynchronous prefill tiles: chained unless forced
+                        Case{"deepseek-v3", 512, false, TileId::kPrefill256x64K2Async},
+                        Case{"deepseek-v3", 4096, false, TileId::kPrefill128x192Async},
+                        Case{"deepseek-v3", 8192, true, TileId::kPrefill256x128K2Staged},
                         // H = 2880 = 45 x 64: the k1 sibling takes it
-                        Case{"gpt-oss-120b", 1, true, TileId::kDecode128x8K1Warp}}) {
+                        Case{"gpt-oss-120b", 1, true, TileId::kDecode128x8K1Warp},
+                        // and the k1 staged tile at prefill (no two-k-block tile takes 2880)
+                        Case{"gpt-oss-120b", 2048, true, TileId::kPrefill256x128K1Staged}}) {
     const LayerShape s = shape_preset(c.shape);
     const sm90::MegaChoice m = sm90::choose_mega_tile(query(c.shape, c.tokens), s.intermediate, true, automatic);
     EXPECT_EQ(m.fused, c.fused) << c.shape << " T=" << c.tokens;
@@ -319,7 +326,11 @@ TEST(TilePolicy, MegaKernelTakesDecodeCallsOnly) {
   const auto forced = [&](TileId id) { return sm90::choose_mega_tile(q, 2048, true, sm90::TileRequest::forced(id)); };
   EXPECT_TRUE(forced(TileId::kDecode128x16K1Warp).fused);
   EXPECT_EQ(forced(TileId::kDecode128x16K1Warp).tile, TileId::kDecode128x16K1Warp);
-  EXPECT_FALSE(forced(TileId::kPrefill256x128K2Staged).fused) << "not built for the MegaMoE kernel";
+  EXPECT_TRUE(forced(TileId::kPrefill256x128K2Staged).fused);
+  EXPECT_TRUE(forced(TileId::kPrefill128x192Async).fused) << "built: runs when forced";
+  EXPECT_FALSE(forced(TileId::kSerial256x128).fused) << "not built for the MegaMoE kernel";
+  EXPECT_FALSE(forced(TileId::kPrefill256x96K2Async2).fused) << "not built for the MegaMoE kernel";
+  EXPECT_FALSE(forced(TileId::kFp8Prefill128x192K2Async).fused) << "FP8 tiles: chained";
   EXPECT_TRUE(forced(TileId::kDecode128x16K2WarpSplitK).fused);
   EXPECT_EQ(forced(TileId::kDecode128x16K2WarpSplitK).l1_splits, 1) << "a forced tile runs unsplit";
   // With a split workspace, L1 is split where its tiles alone leave CTA slots idle (deepseek-v3

@@ -118,6 +118,16 @@ TEST(Ep, VirtualRanksMegaKernelEqualOneGpu) {
                           "decode_128x8_k4_warp", Precision::kExact, true);
   expect_equal_to_one_gpu("kimi-k3", 8, {1, 1, 1, 1, 1, 1, 1, 1}, Routing::kUniform, 3591,
                           "decode_128x16_k2_warp", Precision::kExact, true);
+  // The prefill tiles (one CTA per SM with setmaxnreg, the asynchronous epilogue's warps
+  // publishing L1 tiles): R kernels that each fill every SM.
+  for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
+    expect_equal_to_one_gpu("small", 2, {300, 513}, routing, seed++, "prefill_128x192_async",
+                            Precision::kExact, true);
+    expect_equal_to_one_gpu("small", 8, {64, 3, 0, 200, 7, 0, 1, 40}, routing, seed++,
+                            "prefill_256x64_k2_async", Precision::kExact, true);
+    expect_equal_to_one_gpu("small", 4, {100, 0, 257, 64}, routing, seed++,
+                            "prefill_256x128_k2_staged", Precision::kExact, true);
+  }
 }
 
 TEST(Ep, VirtualRanksAllEmpty) {

@@ -1038,6 +1038,20 @@ TEST(Sm90Layer, MegaKernelEqualsTheChainBitForBit) {
       }
     }
   }
+  // The prefill tiles: staged and asynchronous epilogues, experts over several n-tiles.
+  for (const char* tile : {"prefill_128x192_async", "prefill_256x64_k2_async",
+                           "prefill_256x128_k2_staged", "prefill_256x128_k1_staged"}) {
+    for (int64_t t : {int64_t(8), int64_t(513), int64_t(2000)}) {
+      for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
+        LayerCase c = mega_case("small", t, routing);
+        c.gemm_tile = tile;
+        expect_mega_equals_chain(c, seed++);
+      }
+    }
+  }
+  LayerCase ds = mega_case("deepseek-v3", 512);
+  ds.gemm_tile = "prefill_256x64_k2_async";
+  expect_mega_equals_chain(ds, seed++);
 }
 
 // deepseek-v3 T = 1 by the policy: the chain and the fused kernel split L1 in the same two parts
@@ -1048,7 +1062,8 @@ TEST(Sm90Layer, MegaKernelSplitsL1AsTheChain) {
 }
 
 // The policy's tile (auto): the reference checks of every layer test, at decode and prefill
-// token counts (the prefill ones chain the GEMMs), every activation of the small shape.
+// token counts (decode and prefill tiles in the fused kernel), every activation of the small
+// shape.
 TEST(Sm90Layer, MegaKernelAgainstTheReference) {
   MEGAMOE_REQUIRE_SM90();
   uint64_t seed = 3300;
@@ -1059,7 +1074,7 @@ TEST(Sm90Layer, MegaKernelAgainstTheReference) {
       run_case(c, seed++);
     }
   }
-  for (int64_t t : {int64_t(1), int64_t(8), int64_t(64)}) {
+  for (int64_t t : {int64_t(1), int64_t(8), int64_t(64), int64_t(512)}) {
     LayerCase c = mega_case("deepseek-v3", t);
     c.max_checked_tokens = 16;
     run_case(c, seed++);

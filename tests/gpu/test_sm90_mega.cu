@@ -1,7 +1,8 @@
 // test_sm90_mega.cu: the MegaMoE kernel's launcher (src/moe/sm90_mega.hpp) against the chained
 // GEMM launches on the same tile and the same K parts: h_q, h_sf, h_act and out bit for bit (the
-// same mainloop, the same part order), for every K split of either GEMM, with empty experts and
-// experts over several n-tiles; its counters are left zero; its refusals name what is wrong.
+// same mainloop, the same part order), for every K split of either GEMM and on the prefill tiles
+// (staged and asynchronous epilogues), with empty experts and experts over several n-tiles; its
+// counters are left zero; its refusals name what is wrong.
 // (The layer-level tests are in test_sm90_layer.cu, "The MegaMoE kernel".)
 #include <gtest/gtest.h>
 
@@ -141,14 +142,18 @@ TEST(Sm90Mega, EqualsTheChainOnTheSameTileAndPartsBitForBit) {
   const Case cases[] = {{"decode_128x16_k2_warp_splitk", 1, 1}, {"decode_128x16_k2_warp_splitk", 2, 1},
                         {"decode_128x16_k2_warp_splitk", 1, 3}, {"decode_128x16_k2_warp_splitk", 4, 2},
                         {"decode_128x16_k1_warp_splitk", 3, 4}, {"decode_128x8_k4_warp", 0, 0},
-                        {"decode_128x16_k2_warp", 0, 0}};
+                        {"decode_128x16_k2_warp", 0, 0}, {"prefill_128x192_async", 0, 0},
+                        {"prefill_256x64_k2_async", 0, 0}, {"prefill_256x128_k2_staged", 0, 0},
+                        {"prefill_256x128_k1_staged", 0, 0}};
   // One row per hit expert (decode), a few, and experts over several 16-row n-tiles; empty ones;
   // and 64 experts of one row each: 512 L1 tiles, in up to 2048 parts, more units than CTA
-  // slots (parts taken at run time, L2 tiles waiting on L1 tiles of later waves).
+  // slots (parts taken at run time, L2 tiles waiting on L1 tiles of later waves); and experts
+  // over several n-tiles of the prefill tiles (64 to 192 rows), the last one partial.
   const std::vector<std::vector<int>> routings = {{1, 0, 1, 1, 0, 0, 1, 0},
                                                   {3, 2, 0, 5, 1, 1, 0, 4},
                                                   {40, 0, 17, 1, 64, 33, 0, 2},
-                                                  std::vector<int>(kMaxE, 1)};
+                                                  std::vector<int>(kMaxE, 1),
+                                                  {200, 0, 130, 1, 181}};
   uint64_t seed = 4000;
   for (const auto& counts : routings) {
     const Problem p = make_problem(counts, seed++);
@@ -198,12 +203,12 @@ TEST(Sm90Mega, RefusalsNameWhatIsWrong) {
   sm90::SplitKWorkspace no_units = split.ws;
   no_units.unit_counter = nullptr;
   expect_error(make_args(p, o, "decode_128x16_k2_warp", 0, 0, no_units), mega.ws, "unit_counter");
-  // The FP8 mode and prefill tiles are chained: nothing launched.
+  // The FP8 mode and the tiles the kernel is not built for are chained: nothing launched.
   Args fp8 = make_args(p, o, "auto", 0, 0, split.ws);
   fp8.l1.act_fp8 = p.w13.as<uint8_t>();
   EXPECT_FALSE(sm90::launch_mega(fp8.l1, fp8.l2, mega.ws, nullptr));
-  const Args prefill = make_args(p, o, "prefill_256x128_k2_staged", 0, 0, split.ws);
-  EXPECT_FALSE(sm90::launch_mega(prefill.l1, prefill.l2, mega.ws, nullptr));
+  const Args serial = make_args(p, o, "serial_256x128", 0, 0, split.ws);
+  EXPECT_FALSE(sm90::launch_mega(serial.l1, serial.l2, mega.ws, nullptr));
 }
 
 }  // namespace
