@@ -237,6 +237,49 @@ __device__ __forceinline__ void issue_weight_stage(const GemmParams& p, const Ti
   }
 }
 
+// Asynchronous epilogue (Cfg::kAsyncEpilogue), math side: math warpgroup wg stages its valid
+// blocks of `tile` (its own part of the staging area) for the epilogue warps.
+template <class Cfg, GemmKind kKind>
+__device__ __forceinline__ void stage_async_blocks(const GemmParams& p, const TileInfo& tile,
+                                                   const float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2],
+                                                   uint16_t* smem_stage, int wg, int tid) {
+  uint16_t* wg_stage =
+      smem_stage + static_cast<size_t>(wg) * Cfg::kMBlocksPerWG * Cfg::kBlockN * Cfg::kStagePitch;
+#pragma unroll
+  for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+    if (wg * Cfg::kMBlocksPerWG + sub >= tile.num_m_blocks) continue;
+    const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
+    uint16_t* blk = wg_stage + static_cast<size_t>(sub) * Cfg::kBlockN * Cfg::kStagePitch;
+    if constexpr (kKind == GemmKind::kL1) {
+      stage_l1_block<Cfg>(p, tile, mblk, acc[sub], blk, tid);
+    } else {
+      stage_l2_block<Cfg>(p, tile, mblk, acc[sub], blk, tid);
+    }
+  }
+}
+
+// Asynchronous epilogue, epilogue-warp side: finishes the blocks of `tile` that math warpgroup w
+// has staged (etid: the thread's index among the Cfg::kEpilogueThreads epilogue threads).
+template <class Cfg, GemmKind kKind>
+__device__ __forceinline__ void finish_async_blocks(const GemmParams& p, const TileInfo& tile,
+                                                    const uint16_t* smem_stage, int w, int etid) {
+#pragma unroll 1
+  for (int sub = 0; sub < (MEGAMOE_DIAG_EPILOGUE_FREE ? 0 : Cfg::kMBlocksPerWG); ++sub) {
+    const int lm = w * Cfg::kMBlocksPerWG + sub;
+    if (lm >= tile.num_m_blocks) break;
+    const int mblk = tile.m_block0 + lm;
+    const uint16_t* blk = smem_stage + static_cast<size_t>(lm) * Cfg::kBlockN * Cfg::kStagePitch;
+    if constexpr (kKind == GemmKind::kL1) {
+      with_activation_kind(p.activation.kind, [&](auto kind) {
+        constexpr ActivationKind kAct = decltype(kind)::value;
+        finish_l1_block<Cfg, kAct, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+      });
+    } else {
+      finish_l2_block<Cfg, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
+    }
+  }
+}
+
 template <class Cfg, GemmKind kKind>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
@@ -341,21 +384,7 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
 #pragma unroll 1
           for (int w = 0; w < Cfg::kNumMathWG; ++w) {
             ptx::named_barrier_sync(Cfg::kBarStaged + 2 * w, Cfg::kStageSyncThreads);
-#pragma unroll 1
-            for (int sub = 0; sub < (MEGAMOE_DIAG_EPILOGUE_FREE ? 0 : Cfg::kMBlocksPerWG); ++sub) {
-              const int lm = w * Cfg::kMBlocksPerWG + sub;
-              if (lm >= tile.num_m_blocks) break;
-              const int mblk = tile.m_block0 + lm;
-              const uint16_t* blk = smem_stage + static_cast<size_t>(lm) * Cfg::kBlockN * Cfg::kStagePitch;
-              if constexpr (kKind == GemmKind::kL1) {
-                with_activation_kind(p.activation.kind, [&](auto kind) {
-                  constexpr ActivationKind kAct = decltype(kind)::value;
-                  finish_l1_block<Cfg, kAct, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-                });
-              } else {
-                finish_l2_block<Cfg, Cfg::kEpilogueThreads>(p, tile, mblk, blk, etid);
-              }
-            }
+            finish_async_blocks<Cfg, kKind>(p, tile, smem_stage, w, etid);
             if (has_next) ptx::named_barrier_arrive(Cfg::kBarStageFree + 2 * w, Cfg::kStageSyncThreads);
           }
         }
@@ -479,22 +508,10 @@ sm90_grouped_gemm_bf16_mxfp4_kernel(const __grid_constant__ CUtensorMap tmap_b,
       if constexpr (Cfg::kAsyncEpilogue) {
         // Stage this warpgroup's blocks (once the epilogue warps have read the previous tile's)
         // and go on with the next tile.
-        uint16_t* wg_stage =
-            smem_stage + static_cast<size_t>(wg) * Cfg::kMBlocksPerWG * Cfg::kBlockN * Cfg::kStagePitch;
         if (u != static_cast<int>(blockIdx.x)) {  // (async configs: one unit per tile)
           ptx::named_barrier_sync(Cfg::kBarStageFree + 2 * wg, Cfg::kStageSyncThreads);
         }
-#pragma unroll
-        for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
-          if (!valid[sub]) continue;
-          const int mblk = tile.m_block0 + wg * Cfg::kMBlocksPerWG + sub;
-          uint16_t* blk = wg_stage + static_cast<size_t>(sub) * Cfg::kBlockN * Cfg::kStagePitch;
-          if constexpr (kKind == GemmKind::kL1) {
-            stage_l1_block<Cfg>(p, tile, mblk, acc[sub], blk, tid);
-          } else {
-            stage_l2_block<Cfg>(p, tile, mblk, acc[sub], blk, tid);
-          }
-        }
+        stage_async_blocks<Cfg, kKind>(p, tile, acc, smem_stage, wg, tid);
         ptx::named_barrier_arrive(Cfg::kBarStaged + 2 * wg, Cfg::kStageSyncThreads);
       } else {
         const uint64_t e0 = diag::now();

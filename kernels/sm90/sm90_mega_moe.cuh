@@ -203,20 +203,10 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
             u = s_epi_unit[w];
             if (u < 0) continue;
             tile = s_epi_tile[w];
-#pragma unroll 1
-            for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
-              const int lm = w * Cfg::kMBlocksPerWG + sub;
-              if (lm >= tile.num_m_blocks) break;
-              const uint16_t* blk = smem_stage + static_cast<size_t>(lm) * Cfg::kBlockN * Cfg::kStagePitch;
-              if (u < l1_units) {
-                with_activation_kind(mp.l1.activation.kind, [&](auto kind) {
-                  constexpr ActivationKind kAct = decltype(kind)::value;
-                  finish_l1_block<Cfg, kAct, Cfg::kEpilogueThreads>(mp.l1, tile, tile.m_block0 + lm,
-                                                                    blk, etid);
-                });
-              } else {
-                finish_l2_block<Cfg, Cfg::kEpilogueThreads>(mp.l2, tile, tile.m_block0 + lm, blk, etid);
-              }
+            if (u < l1_units) {
+              finish_async_blocks<Cfg, GemmKind::kL1>(mp.l1, tile, smem_stage, w, etid);
+            } else {
+              finish_async_blocks<Cfg, GemmKind::kL2>(mp.l2, tile, smem_stage, w, etid);
             }
             ptx::named_barrier_arrive(Cfg::kBarStageFree + 2 * w, Cfg::kStageSyncThreads);
           }
@@ -359,18 +349,10 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         // name the unit, and go on with the next one.
         if (staged_any) ptx::named_barrier_sync(Cfg::kBarStageFree + 2 * mwg, Cfg::kStageSyncThreads);
         staged_any = true;
-        uint16_t* wg_stage =
-            smem_stage + static_cast<size_t>(mwg) * Cfg::kMBlocksPerWG * Cfg::kBlockN * Cfg::kStagePitch;
-#pragma unroll
-        for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
-          if (mwg * Cfg::kMBlocksPerWG + sub >= tile.num_m_blocks) continue;
-          const int mblk = tile.m_block0 + mwg * Cfg::kMBlocksPerWG + sub;
-          uint16_t* blk = wg_stage + static_cast<size_t>(sub) * Cfg::kBlockN * Cfg::kStagePitch;
-          if (l1) {
-            stage_l1_block<Cfg>(mp.l1, tile, mblk, acc[sub], blk, tid);
-          } else {
-            stage_l2_block<Cfg>(mp.l2, tile, mblk, acc[sub], blk, tid);
-          }
+        if (l1) {
+          stage_async_blocks<Cfg, GemmKind::kL1>(mp.l1, tile, acc, smem_stage, mwg, tid);
+        } else {
+          stage_async_blocks<Cfg, GemmKind::kL2>(mp.l2, tile, acc, smem_stage, mwg, tid);
         }
         if (tid == 0) {
           s_epi_unit[mwg] = u;

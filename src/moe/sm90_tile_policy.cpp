@@ -176,11 +176,18 @@ LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num
   return plan;
 }
 
+namespace {
+// Whether the MegaMoE kernel is built for `tile` and the tile takes both GEMMs' K.
+bool mega_takes(TileId tile, int64_t l1_k, int64_t l2_k) {
+  const int64_t k_multiple = tile_config(tile).k_multiple();
+  return mega_tile_index(tile) >= 0 && l1_k % k_multiple == 0 && l2_k % k_multiple == 0;
+}
+}  // namespace
+
 MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_scales,
                             const TileRequest& request) {
   if (request.mode == TileRequest::Mode::kForced) {
-    const bool built = mega_tile_index(request.tile) >= 0 && l1.k % tile_config(request.tile).k_multiple() == 0 &&
-                       l2_k % tile_config(request.tile).k_multiple() == 0;
+    const bool built = mega_takes(request.tile, l1.k, l2_k);
     if (!built || !l1.small_scales || !l2_small_scales) return {false, request.tile, 1, 1, "forced tile: chained"};
     return {true, request.tile, 1, 1, "forced tile, built for the MegaMoE kernel"};
   }
@@ -189,16 +196,11 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
   }
   const RowEstimate est = estimate_rows(l1.rows_hint, l1.max_rows, l1.num_experts);
   if (est.avg > kDecodeMaxAvgRows) {
-    // The prefill tile L1's launch would take, for both GEMMs, where it (or its sibling) takes
-    // both K.
-    const auto takes = [&](TileId t) {
-      return mega_tile_index(t) >= 0 && l1.k % tile_config(t).k_multiple() == 0 &&
-             l2_k % tile_config(t).k_multiple() == 0;
-    };
-    // NOTES: only the staged tiles by default: the asynchronous ones run fused (forced) but
-    // measured 0.94-0.96x the chain's speed (docs/tuning-log.md v29).
+    // The prefill tile L1's launch would take (or its sibling), for both GEMMs.
+    // NOTES: only the staged tiles by default: the asynchronous ones run fused when forced but
+    // measured slower than the chain (docs/tuning-log.md v29).
     const TileId tile = fit_k(fit_k(choose_tile(l1).tile, l1.k), l2_k);
-    if (tile_config(tile).epilogue == EpilogueKind::kStaged && takes(tile)) {
+    if (tile_config(tile).epilogue == EpilogueKind::kStaged && mega_takes(tile, l1.k, l2_k)) {
       return {true, tile, 1, 1, "mega: prefill, L1's staged tile for both GEMMs"};
     }
     return {false, tile, 1, 1, "prefill: L1's tile is not a staged tile of the MegaMoE kernel "

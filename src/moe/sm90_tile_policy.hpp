@@ -109,7 +109,7 @@ LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num
 // I). Prefill calls: the tile choose_tile gives L1 (its sibling for K) where it is a staged
 // 256 x 128 tile that takes both K; the asynchronous prefill tiles are built and run when forced,
 // but the policy chains them (measured slower fused; kPrefill256x96K2Async2 is not built: its
-// mainloop spilled ~3 KB in the fused kernel).
+// mainloop spills in the fused kernel; docs/tuning-log.md v29).
 // A forced tile that the kernel is built for runs as forced (unsplit). Otherwise nothing (the
 // caller chains the two GEMM launches). `l1` is L1's query (its split fields included).
 inline constexpr TileId kMegaTiles[] = {
