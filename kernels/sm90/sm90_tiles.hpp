@@ -86,6 +86,7 @@ enum class TileId : uint8_t {
   kDecode128x16K1Warp,
   kDecode128x16K2WarpSplitK,
   kDecode128x16K1WarpSplitK,
+  kDecode128x8K4WarpSplitK,
   // Overlapped mainloop, prefill (many rows per expert: reuse each weight tile).
   kPrefill128x192Async,
   kPrefill256x64K2Async,
@@ -97,7 +98,7 @@ enum class TileId : uint8_t {
   kFp8Prefill256x128K2Staged,
   kFp8Prefill128x256K2Async,
 };
-constexpr int kNumTiles = 21;
+constexpr int kNumTiles = 22;
 
 namespace tile_detail {
 constexpr MainloopKind S = MainloopKind::kSerial, O = MainloopKind::kOverlap;
@@ -124,6 +125,7 @@ inline constexpr TileConfig kTable[kNumTiles] = {
     {"decode_128x16_k1_warp",         1, 2,  16,  8,  7, 4, 1, O, W, R,  1, false, B},
     {"decode_128x16_k2_warp_splitk",  1, 2,  16,  8,  3, 4, 2, O, W, R,  1, true, B},
     {"decode_128x16_k1_warp_splitk",  1, 2,  16,  8,  7, 4, 1, O, W, R,  1, true, B},
+    {"decode_128x8_k4_warp_splitk",   1, 2,   8,  8,  2, 4, 4, O, W, R,  1, true, B},
     {"prefill_128x192_async",         2, 1, 192,  8,  5, 1, 1, O, G, A,  1, false, B},
     {"prefill_256x64_k2_async",       2, 2,  64, 16,  5, 1, 2, O, G, A,  1, false, B},
     {"prefill_256x96_k2_async2",      2, 2,  96,  8,  3, 1, 2, O, G, A,  2, false, B},
@@ -140,7 +142,8 @@ inline constexpr const TileConfig (&kTileTable)[kNumTiles] = tile_detail::kTable
 constexpr const TileConfig& tile_config(TileId id) { return kTileTable[static_cast<int>(id)]; }
 
 // The same tile with fewer k-blocks per stage (the next shallower one), for K that `id` cannot
-// take; `id` itself when it has one k-block per stage.
+// take; `id` itself when it has one k-block per stage or no shallower twin (the two `_k2_async`
+// prefill tiles and `decode_128x8_k4_warp_splitk`: the policy takes them only for K they take).
 constexpr TileId shallower_sibling(TileId id) {
   switch (id) {
     case TileId::kDecode128x8K4Warp: return TileId::kDecode128x8K2Warp;
@@ -153,7 +156,8 @@ constexpr TileId shallower_sibling(TileId id) {
   }
 }
 
-// `id` or its shallowest sibling that takes K (K a multiple of 64: every k1 tile takes it).
+// `id` or its shallowest sibling that takes K (K a multiple of 64: every k1 tile takes it; a
+// tile without a k1 sibling may not).
 constexpr TileId fit_k(TileId id, int64_t k) {
   while (k % tile_config(id).k_multiple() != 0 && shallower_sibling(id) != id) {
     id = shallower_sibling(id);

@@ -38,13 +38,21 @@ constexpr double kThreeCtaMinGain = 1.1;
 
 constexpr TileId kDecode128Tile = TileId::kDecode128x16K2Warp;
 constexpr TileId kSplitTile = TileId::kDecode128x16K2WarpSplitK;
+// Up to kDecode8MaxAvgRows rows per expert the 8-row split tile, as the unsplit launches take
+// the 8-row tile there; it has four k-blocks per stage and no shallower twin.
+constexpr TileId kSplit8Tile = TileId::kDecode128x8K4WarpSplitK;
 constexpr TileId kThreeCtaTile = TileId::kDecode128x16K2Cta3;
 constexpr int64_t kDecodeCtasPerSm = tile_config(kDecode128Tile).ctas_per_sm;
 constexpr int64_t kDecode128Rows = tile_config(kDecode128Tile).block_m();
 static_assert(tile_config(kSplitTile).ctas_per_sm == kDecodeCtasPerSm &&
                   tile_config(kSplitTile).block_m() == kDecode128Rows &&
+                  tile_config(kSplit8Tile).ctas_per_sm == kDecodeCtasPerSm &&
+                  tile_config(kSplit8Tile).block_m() == kDecode128Rows &&
+                  tile_config(kSplit8Tile).split_unit_floats() <=
+                      tile_config(kSplitTile).split_unit_floats() &&
                   tile_config(kThreeCtaTile).block_m() == kDecode128Rows,
-              "the 128-row decode tiles share their grid arithmetic");
+              "the 128-row decode tiles share their grid arithmetic, and the 16-row split tile's "
+              "workspace holds the 8-row one's");
 
 struct RowEstimate {
   int64_t active, avg;
@@ -107,9 +115,17 @@ int decode_split_parts(const TileQuery& q, const DecodeTiles& d, TileId split_ti
   return fits ? parts : 1;
 }
 
+// The split tile of a decode launch of reduction k (and k_other, the other GEMM's, where one
+// tile runs both): the 8-row one where it takes both, else the 16-row one's sibling for both.
+TileId split_tile_for(int64_t avg, int64_t k, int64_t k_other) {
+  const int64_t m = tile_config(kSplit8Tile).k_multiple();
+  if (avg <= kDecode8MaxAvgRows && k % m == 0 && k_other % m == 0) return kSplit8Tile;
+  return fit_k(fit_k(kSplitTile, k), k_other);
+}
+
 TileChoice choose_decode(const TileQuery& q, const RowEstimate& est) {
   const auto [tiles, slots] = decode_tiles(q, est);
-  const TileId split_tile = fit_k(kSplitTile, q.k);
+  const TileId split_tile = split_tile_for(est.avg, q.k, q.k);
   const int parts = decode_split_parts(q, {tiles, slots}, split_tile);
   if (parts > 1) return {split_tile, parts, "decode: few tiles, K split to fill the idle CTA slots"};
   if (tiles * kDecodeFillDen < slots * kDecodeFillNum) {
@@ -206,10 +222,25 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
     return {false, tile, 1, 1, "prefill: L1's tile is not a staged tile of the MegaMoE kernel "
                                "(or does not take both K): chained"};
   }
-  // L1 split as choose_decode would split it on its own (L2 waits for it anyway).
-  const TileId split_tile = fit_k(fit_k(kSplitTile, l1.k), l2_k);
-  const int parts = decode_split_parts(l1, decode_tiles(l1, est), split_tile);
-  if (parts > 1) return {true, split_tile, parts, 1, "mega: few L1 tiles, L1 split in K"};
+  // Each GEMM split as choose_decode would split it on its own: L1's tiles run alone first
+  // (every L2 tile waits for L1 tiles) and L2's alone last, each leaving CTA slots idle where
+  // they are few. Both parts in the fused kernel's one workspace, or L2 unsplit.
+  const TileId split_tile = split_tile_for(est.avg, l1.k, l2_k);
+  TileQuery l2 = l1;
+  l2.m_rows = l1.k;
+  l2.k = l2_k;
+  const DecodeTiles d1 = decode_tiles(l1, est), d2 = decode_tiles(l2, est);
+  const int parts1 = decode_split_parts(l1, d1, split_tile);
+  int parts2 = decode_split_parts(l2, d2, split_tile);
+  const bool both_fit = d1.tiles + d2.tiles <= l1.split_counters_capacity &&
+                        (d1.tiles * parts1 + d2.tiles * parts2) *
+                                tile_config(split_tile).split_unit_floats() <=
+                            l1.split_partial_floats;
+  if (!both_fit) parts2 = 1;
+  if (parts1 > 1 || parts2 > 1) {
+    return {true, split_tile, parts1, parts2,
+            parts2 > 1 ? "mega: few tiles, L1 and / or L2 split in K" : "mega: few L1 tiles, L1 split in K"};
+  }
   const TileId base = est.avg <= kDecode8MaxAvgRows ? TileId::kDecode128x8K4Warp : TileId::kDecode128x16K2Warp;
   const TileId tile = fit_k(fit_k(base, l1.k), l2_k);
   return {true, tile, 1, 1, est.avg <= kDecode8MaxAvgRows ? "mega: <= 4 rows per expert, 128 x 8 tiles"

@@ -103,8 +103,10 @@ LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num
 // one tile for both GEMMs, from the tiles it is built for (kMegaTiles). Its rule: small scales
 // (the overlapped tiles), no serial request. Calls whose row estimate is in a decode class
 // (<= kDecodeMaxAvgRows per expert): L1's tiles alone come first (every L2 tile waits for L1
-// tiles), so where they would leave CTA slots idle L1 is split in K as the chained decode launch
-// would split it (the 128 x 16 split tile, L2 unsplit); otherwise the 128 x 8 tile up to
+// tiles) and L2's alone last, so where either would leave CTA slots idle it is split in K as its
+// chained decode launch would split it (the 128 x 8 split tile up to kDecode8MaxAvgRows rows per
+// expert where both K are multiples of 256, else the 128 x 16 one; L2 unsplit where both GEMMs'
+// parts would not fit the fused kernel's split workspace); otherwise the 128 x 8 tile up to
 // kDecode8MaxAvgRows rows per expert, 128 x 16 above; each the sibling that takes both K (H and
 // I). Prefill calls: the tile choose_tile gives L1 (its sibling for K) where it is a staged
 // 256 x 128 tile that takes both K; the asynchronous prefill tiles are built and run when forced,
@@ -116,10 +118,10 @@ inline constexpr TileId kMegaTiles[] = {
     TileId::kDecode128x8K4Warp,        TileId::kDecode128x8K2Warp,
     TileId::kDecode128x8K1Warp,        TileId::kDecode128x16K2Warp,
     TileId::kDecode128x16K1Warp,       TileId::kDecode128x16K2WarpSplitK,
-    TileId::kDecode128x16K1WarpSplitK, TileId::kPrefill128x192Async,
-    TileId::kPrefill256x64K2Async,     TileId::kPrefill256x128K2Staged,
-    TileId::kPrefill256x128K1Staged};
-constexpr int kNumMegaTiles = 11;
+    TileId::kDecode128x16K1WarpSplitK, TileId::kDecode128x8K4WarpSplitK,
+    TileId::kPrefill128x192Async,      TileId::kPrefill256x64K2Async,
+    TileId::kPrefill256x128K2Staged,   TileId::kPrefill256x128K1Staged};
+constexpr int kNumMegaTiles = 12;
 constexpr int mega_tile_index(TileId id) {
   for (int i = 0; i < kNumMegaTiles; ++i) {
     if (kMegaTiles[i] == id) return i;

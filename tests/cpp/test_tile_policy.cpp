@@ -78,6 +78,10 @@ TEST(TileTable, TraitsAndSiblings) {
   EXPECT_EQ(sm90::fit_k(TileId::kPrefill256x128K2Staged, 2880), TileId::kPrefill256x128K1Staged);
   EXPECT_EQ(sm90::fit_k(TileId::kPrefill256x96K2Async2, 2880), TileId::kPrefill256x96K2Async2)
       << "no sibling: the policy does not pick it for K % 128 != 0";
+  EXPECT_EQ(sm90::fit_k(TileId::kDecode128x8K4WarpSplitK, 2880), TileId::kDecode128x8K4WarpSplitK)
+      << "no sibling: the policy does not pick it for K % 256 != 0";
+  EXPECT_EQ(sm90::tile_config(TileId::kDecode128x8K4WarpSplitK).split_unit_floats() * 2,
+            sm90::tile_config(TileId::kDecode128x16K2WarpSplitK).split_unit_floats());
   for (int i = 0; i < sm90::kNumTiles; ++i) {  // every tile's constants and layout compile
     const auto id = static_cast<TileId>(i);
     EXPECT_EQ(sm90::tile_config(sm90::fit_k(id, 64 * 45)).k_multiple() == 64 ||
@@ -146,8 +150,8 @@ constexpr Point kPoints[] = {
       {"kimi-k3", 1, 4096, 2, "prefill_256x96_k2_async2", 1, 1},
       {"kimi-k3", 1, 8192, 1, "prefill_128x192_async", 1, 1},
       {"kimi-k3", 1, 8192, 2, "prefill_128x192_async", 1, 1},
-      {"kimi-k3", 8, 1, 1, "decode_128x16_k2_warp_splitk", 4, 1},
-      {"kimi-k3", 8, 1, 2, "decode_128x16_k2_warp_splitk", 4, 1},
+      {"kimi-k3", 8, 1, 1, "decode_128x8_k4_warp_splitk", 4, 1},
+      {"kimi-k3", 8, 1, 2, "decode_128x8_k4_warp_splitk", 4, 1},
       {"kimi-k3", 8, 8, 1, "decode_128x8_k4_warp", 1, 1},
       {"kimi-k3", 8, 8, 2, "decode_128x8_k4_warp", 1, 1},
       {"kimi-k3", 8, 64, 1, "decode_128x8_k4_warp", 1, 3},
@@ -158,7 +162,7 @@ constexpr Point kPoints[] = {
       {"kimi-k3", 8, 4096, 2, "prefill_256x96_k2_async2", 1, 1},
       {"kimi-k3", 8, 8192, 1, "prefill_128x192_async", 1, 1},
       {"kimi-k3", 8, 8192, 2, "prefill_128x192_async", 1, 1},
-      {"deepseek-v3", 1, 1, 1, "decode_128x16_k2_warp_splitk", 2, 1},
+      {"deepseek-v3", 1, 1, 1, "decode_128x8_k4_warp_splitk", 2, 1},
       {"deepseek-v3", 1, 1, 2, "decode_128x8_k4_warp", 1, 1},
       {"deepseek-v3", 1, 8, 1, "decode_128x8_k4_warp", 1, 1},
       {"deepseek-v3", 1, 8, 2, "decode_128x8_k4_warp", 1, 1},
@@ -182,10 +186,10 @@ constexpr Point kPoints[] = {
       {"gpt-oss-120b", 1, 4096, 2, "prefill_128x192_async", 1, 1},
       {"gpt-oss-120b", 1, 8192, 1, "prefill_256x128_k1_staged", 1, 1},
       {"gpt-oss-120b", 1, 8192, 2, "prefill_256x128_k1_staged", 1, 1},
-      {"small", 1, 1, 1, "decode_128x16_k2_warp_splitk", 4, 1},
-      {"small", 1, 1, 2, "decode_128x16_k2_warp_splitk", 4, 1},
-      {"small", 1, 8, 1, "decode_128x16_k2_warp_splitk", 2, 1},
-      {"small", 1, 8, 2, "decode_128x16_k2_warp_splitk", 2, 1},
+      {"small", 1, 1, 1, "decode_128x8_k4_warp_splitk", 4, 1},
+      {"small", 1, 1, 2, "decode_128x8_k4_warp_splitk", 2, 1},
+      {"small", 1, 8, 1, "decode_128x8_k4_warp_splitk", 2, 1},
+      {"small", 1, 8, 2, "decode_128x8_k4_warp_splitk", 2, 1},
       {"small", 1, 64, 1, "decode_128x16_k2_warp_splitk", 2, 2},
       {"small", 1, 64, 2, "decode_128x16_k2_warp_splitk", 2, 2},
       {"small", 1, 512, 1, "prefill_256x96_k2_async2", 1, 1},
@@ -341,8 +345,37 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
   split.split_partial_floats = sm90::split_k_partial_floats_for(kH200Sms);
   const sm90::MegaChoice ds1 = sm90::choose_mega_tile(split, 2048, true, automatic);
   EXPECT_TRUE(ds1.fused);
-  EXPECT_EQ(ds1.tile, TileId::kDecode128x16K2WarpSplitK) << ds1.reason;
+  EXPECT_EQ(ds1.tile, TileId::kDecode128x8K4WarpSplitK) << ds1.reason;
   EXPECT_EQ(ds1.l1_splits, 2);
+  EXPECT_EQ(ds1.l2_splits, 1) << "448 L2 tiles on 528 slots: unsplit";
+  // One Kimi-K3 EP8 rank at T = 1 (2 rows over 112 experts): 96 L1 and 56 L2 tiles, each GEMM in
+  // 4 parts as its chained launch would be; with a workspace that holds only L1's parts, L2
+  // unsplit.
+  sm90::TileQuery ep8 = query("kimi-k3", 1);
+  ep8.num_experts = 112;
+  ep8.rows_hint = 2;
+  ep8.split_allowed = true;
+  ep8.split_counters_capacity = split.split_counters_capacity;
+  ep8.split_partial_floats = split.split_partial_floats;
+  const int64_t kimi_i = shape_preset("kimi-k3").intermediate;
+  const sm90::MegaChoice k8 = sm90::choose_mega_tile(ep8, kimi_i, true, automatic);
+  EXPECT_EQ(k8.tile, TileId::kDecode128x8K4WarpSplitK) << k8.reason;
+  EXPECT_EQ(k8.l1_splits, 4);
+  EXPECT_EQ(k8.l2_splits, 4);
+  ep8.split_partial_floats = 96 * 4 * sm90::tile_config(TileId::kDecode128x8K4WarpSplitK).split_unit_floats();
+  const sm90::MegaChoice k8_small = sm90::choose_mega_tile(ep8, kimi_i, true, automatic);
+  EXPECT_EQ(k8_small.l1_splits, 4);
+  EXPECT_EQ(k8_small.l2_splits, 1);
+  // The 8-row split tile takes only K that are multiples of 256 (both GEMMs' where one tile runs
+  // both); otherwise the 16-row split tile's sibling.
+  sm90::TileQuery gpt1 = query("gpt-oss-120b", 1);
+  gpt1.split_allowed = true;
+  gpt1.split_counters_capacity = split.split_counters_capacity;
+  gpt1.split_partial_floats = split.split_partial_floats;
+  const sm90::MegaChoice g1 = sm90::choose_mega_tile(gpt1, shape_preset("gpt-oss-120b").intermediate, true, automatic);
+  EXPECT_EQ(g1.tile, TileId::kDecode128x16K1WarpSplitK) << g1.reason;
+  EXPECT_EQ(sm90::choose_mega_tile(split, 2048 + 128, true, automatic).tile, TileId::kDecode128x16K2WarpSplitK)
+      << "I = 2176 is not a multiple of 256";
   sm90::TileQuery kimi1 = query("kimi-k3", 1);  // 16 x 48 L1 tiles fill the slots: unsplit
   kimi1.split_allowed = true;
   kimi1.split_counters_capacity = split.split_counters_capacity;

@@ -687,14 +687,18 @@ TEST(Sm90Gemm, RunTimeUnitsAgreeBitwiseWithStaticSplit) {
       {TileId::kDecode128x8K4Warp, 0},   {TileId::kDecode128x8K2Warp, 0},
       {TileId::kDecode128x8K1Warp, 0},   {TileId::kDecode128x16K2Warp, 0},
       {TileId::kDecode128x16K1Warp, 0},  {TileId::kDecode128x16K2WarpSplitK, 2},
-      {TileId::kDecode128x16K2Cta3, 0},  {TileId::kDecode64x16, 0}};
+      {TileId::kDecode128x16K2Cta3, 0},  {TileId::kDecode64x16, 0},
+      {TileId::kDecode128x8K4WarpSplitK, 2}};
+  // The 8-row split tile's stages are 256 deep: K = 512 and 1024 for its two parts.
+  const Problem deep = make_problem(1024, 512, {0, 1, 7, 64, 0, 513, 3, 130, 250}, true, 9);
   for (const auto& [tile, splits] : runs) {
     SCOPED_TRACE(std::string("tile=") + sm90::tile_config(tile).name + " k_splits=" + std::to_string(splits));
+    const Problem& pt = splits > 1 && sm90::tile_config(tile).k_multiple() * splits > p.I ? deep : p;
     std::vector<uint16_t> l1[2], l2[2];
     for (int fixed = 0; fixed < 2; ++fixed) {
       const ScopedSetting<bool> scope(g_static_units, fixed == 1);
-      run_l1_case(p, p.rows, Activation::swiglu(), true, true, forced(tile), splits, &l1[fixed]);
-      run_l2_case(p, p.rows, true, forced(tile), splits, &l2[fixed]);
+      run_l1_case(pt, pt.rows, Activation::swiglu(), true, true, forced(tile), splits, &l1[fixed]);
+      run_l2_case(pt, pt.rows, true, forced(tile), splits, &l2[fixed]);
     }
     EXPECT_TRUE(l1[0] == l1[1]) << "L1 h_act differs between run-time units and the static split";
     EXPECT_TRUE(l2[0] == l2[1]) << "L2 out differs between run-time units and the static split";
@@ -822,6 +826,9 @@ TEST(ReliabilitySanitize, DecodeTilesSplitK) {
     run_l1_case(q, q.rows, Activation::situ(4.0f, 25.0f), false, false,
                 forced(TileId::kDecode128x16K1WarpSplitK), parts);
     if (parts <= 3) run_l2_case(q, q.rows, false, forced(TileId::kDecode128x16K1WarpSplitK), parts);
+    // The 8-row split tile: K = 1024 in 4 stages of four k-blocks, K = 512 in 2.
+    run_l1_case(p, p.rows, Activation::swiglu(), true, true, forced(TileId::kDecode128x8K4WarpSplitK), parts);
+    if (parts <= 2) run_l2_case(p, p.rows, true, forced(TileId::kDecode128x8K4WarpSplitK), parts);
   }
 }
 
@@ -844,6 +851,7 @@ TEST(Sm90Gemm, SplitKRejectsWhatCannotSplit) {
   EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, forced(TileId::kDecode128x16K2WarpSplitK), 3));  // 2 stages
   EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, forced(TileId::kDecode128x16K2WarpSplitK), 5));
   EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, forced(TileId::kDecode128x16K1WarpSplitK), 5));
+  EXPECT_ANY_THROW(run_l2_case(p, p.rows, false, forced(TileId::kDecode128x8K4WarpSplitK), 2));  // 1 stage
 }
 
 // The staged-epilogue prefill tiles (stmatrix staging; the asynchronous epilogue's handshake

@@ -141,7 +141,8 @@ TEST(Sm90Mega, EqualsTheChainOnTheSameTileAndPartsBitForBit) {
   };
   const Case cases[] = {{"decode_128x16_k2_warp_splitk", 1, 1}, {"decode_128x16_k2_warp_splitk", 2, 1},
                         {"decode_128x16_k2_warp_splitk", 1, 3}, {"decode_128x16_k2_warp_splitk", 4, 2},
-                        {"decode_128x16_k1_warp_splitk", 3, 4}, {"decode_128x8_k4_warp", 0, 0},
+                        {"decode_128x16_k1_warp_splitk", 3, 4}, {"decode_128x8_k4_warp_splitk", 2, 1},
+                        {"decode_128x8_k4_warp_splitk", 4, 2}, {"decode_128x8_k4_warp", 0, 0},
                         {"decode_128x16_k2_warp", 0, 0}, {"prefill_128x192_async", 0, 0},
                         {"prefill_256x64_k2_async", 0, 0}, {"prefill_256x128_k2_staged", 0, 0},
                         {"prefill_256x128_k1_staged", 0, 0}};
