@@ -43,15 +43,6 @@ int64_t mega_counters(int64_t max_rows, int num_experts) {
   return max_schedule_slots(max_rows, num_experts, block_n);
 }
 
-// Splits happen only where L1's (or L2's) tiles leave CTA slots idle: at most a few waves of
-// tiles, so the workspace covers 4 CTA slots' worth of tiles and 8 slots' worth of parts.
-int64_t mega_split_counters(int sm_count) {
-  return 4LL * sm_count * tile_config(TileId::kDecode128x16K2WarpSplitK).ctas_per_sm;
-}
-int64_t mega_split_partial_floats(int sm_count) {
-  return 8LL * sm_count * tile_config(TileId::kDecode128x16K2WarpSplitK).ctas_per_sm *
-         tile_config(TileId::kDecode128x16K2WarpSplitK).split_unit_floats();
-}
 
 bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream) {
   if (a1.act_fp8 != nullptr || a2.h_fp8 != nullptr) return false;  // the FP8 mode: chained

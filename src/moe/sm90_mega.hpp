@@ -29,9 +29,7 @@ struct MegaWorkspace {
 // Counters each of `ready` and `consumed` needs for a layer of max_rows rows over num_experts
 // local experts, for every tile of kMegaTiles (the most slots: the smallest BLOCK_N).
 int64_t mega_counters(int64_t max_rows, int num_experts);
-// The split-K workspace that covers every split choose_mega_tile makes on `sm_count` SMs.
-int64_t mega_split_counters(int sm_count);
-int64_t mega_split_partial_floats(int sm_count);
+// (Its split-K workspace: mega_split_counters / mega_split_partial_floats, sm90_tile_policy.hpp.)
 
 #if defined(MEGAMOE_WITH_CUDA)
 // One launch of both GEMMs when choose_mega_tile picks the MegaMoE kernel for this call (the

@@ -230,13 +230,17 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
   l2.m_rows = l1.k;
   l2.k = l2_k;
   const DecodeTiles d1 = decode_tiles(l1, est), d2 = decode_tiles(l2, est);
-  const int parts1 = decode_split_parts(l1, d1, split_tile);
+  // The kernel's own test (sm90_mega_moe.cuh): a counter for every tile of both GEMMs and room
+  // for all their parts, else it runs unsplit.
+  auto fits = [&](int p1, int p2) {
+    return d1.tiles + d2.tiles <= l1.split_counters_capacity &&
+           (d1.tiles * p1 + d2.tiles * p2) * tile_config(split_tile).split_unit_floats() <=
+               l1.split_partial_floats;
+  };
+  int parts1 = decode_split_parts(l1, d1, split_tile);
   int parts2 = decode_split_parts(l2, d2, split_tile);
-  const bool both_fit = d1.tiles + d2.tiles <= l1.split_counters_capacity &&
-                        (d1.tiles * parts1 + d2.tiles * parts2) *
-                                tile_config(split_tile).split_unit_floats() <=
-                            l1.split_partial_floats;
-  if (!both_fit) parts2 = 1;
+  if (!fits(parts1, parts2)) parts2 = 1;
+  if (!fits(parts1, parts2)) parts1 = 1;
   if (parts1 > 1 || parts2 > 1) {
     return {true, split_tile, parts1, parts2,
             parts2 > 1 ? "mega: few tiles, L1 and / or L2 split in K" : "mega: few L1 tiles, L1 split in K"};
@@ -258,6 +262,17 @@ int64_t split_k_partial_floats_for(int sm_count) {
                 "the two split tiles take the same workspace");
   return static_cast<int64_t>(sm_count) * kDecodeCtasPerSm *
          tile_config(kSplitTile).split_unit_floats();
+}
+
+// Splits happen only where L1's (or L2's) tiles leave CTA slots idle: each GEMM's parts fill at
+// most its CTA slots once, and its tiles at most half of them, while the other GEMM's tiles can
+// be a few times more (H / 2I); so the workspace covers 4 CTA slots' worth of tiles and 8 slots'
+// worth of parts.
+int64_t mega_split_counters(int sm_count) {
+  return 4LL * sm_count * kDecodeCtasPerSm;
+}
+int64_t mega_split_partial_floats(int sm_count) {
+  return 8LL * sm_count * kDecodeCtasPerSm * tile_config(kSplitTile).split_unit_floats();
 }
 
 TileRequest parse_tile_request(std::string_view name) {

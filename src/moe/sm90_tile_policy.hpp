@@ -153,5 +153,10 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
 int64_t split_k_counters_for(int sm_count);
 int64_t split_k_partial_floats_for(int sm_count);
 constexpr int kMaxKSplits = 4;
+// The MegaMoE kernel's split-K workspace (MegaWorkspace::split_*), which covers every split
+// choose_mega_tile makes on `sm_count` SMs: the tiles of both GEMMs (counters) and both GEMMs'
+// parts (FP32 partials).
+int64_t mega_split_counters(int sm_count);
+int64_t mega_split_partial_floats(int sm_count);
 
 }  // namespace megamoe::sm90

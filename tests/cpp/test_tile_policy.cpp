@@ -337,12 +337,13 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
   EXPECT_FALSE(forced(TileId::kFp8Prefill128x192K2Async).fused) << "FP8 tiles: chained";
   EXPECT_TRUE(forced(TileId::kDecode128x16K2WarpSplitK).fused);
   EXPECT_EQ(forced(TileId::kDecode128x16K2WarpSplitK).l1_splits, 1) << "a forced tile runs unsplit";
-  // With a split workspace, L1 is split where its tiles alone leave CTA slots idle (deepseek-v3
-  // T = 1: 8 experts x 32 m-tiles on 528 slots), as the chained decode launch would.
+  // With the fused kernel's split workspace, L1 is split where its tiles alone leave CTA slots
+  // idle (deepseek-v3 T = 1: 8 experts x 32 m-tiles on 528 slots), as the chained decode launch
+  // would.
   sm90::TileQuery split = q;
   split.split_allowed = true;
-  split.split_counters_capacity = sm90::split_k_counters_for(kH200Sms);
-  split.split_partial_floats = sm90::split_k_partial_floats_for(kH200Sms);
+  split.split_counters_capacity = sm90::mega_split_counters(kH200Sms);
+  split.split_partial_floats = sm90::mega_split_partial_floats(kH200Sms);
   const sm90::MegaChoice ds1 = sm90::choose_mega_tile(split, 2048, true, automatic);
   EXPECT_TRUE(ds1.fused);
   EXPECT_EQ(ds1.tile, TileId::kDecode128x8K4WarpSplitK) << ds1.reason;
@@ -362,10 +363,17 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
   EXPECT_EQ(k8.tile, TileId::kDecode128x8K4WarpSplitK) << k8.reason;
   EXPECT_EQ(k8.l1_splits, 4);
   EXPECT_EQ(k8.l2_splits, 4);
-  ep8.split_partial_floats = 96 * 4 * sm90::tile_config(TileId::kDecode128x8K4WarpSplitK).split_unit_floats();
+  ep8.split_partial_floats = (96 * 4 + 56) * sm90::tile_config(TileId::kDecode128x8K4WarpSplitK).split_unit_floats();
   const sm90::MegaChoice k8_small = sm90::choose_mega_tile(ep8, kimi_i, true, automatic);
   EXPECT_EQ(k8_small.l1_splits, 4);
   EXPECT_EQ(k8_small.l2_splits, 1);
+  // The kernel needs a counter for every tile of both GEMMs: with fewer, nothing is split (the
+  // chained launches' workspace, 264 counters, against deepseek-v3 T = 1's 256 + 448 tiles).
+  sm90::TileQuery few_counters = split;
+  few_counters.split_counters_capacity = sm90::split_k_counters_for(kH200Sms);
+  const sm90::MegaChoice unsplit = sm90::choose_mega_tile(few_counters, 2048, true, automatic);
+  EXPECT_EQ(unsplit.l1_splits, 1) << unsplit.reason;
+  EXPECT_EQ(unsplit.l2_splits, 1);
   // The 8-row split tile takes only K that are multiples of 256 (both GEMMs' where one tile runs
   // both); otherwise the 16-row split tile's sibling.
   sm90::TileQuery gpt1 = query("gpt-oss-120b", 1);
