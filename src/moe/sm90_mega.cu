@@ -43,7 +43,6 @@ int64_t mega_counters(int64_t max_rows, int num_experts) {
   return max_schedule_slots(max_rows, num_experts, block_n);
 }
 
-
 bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream) {
   if (a1.act_fp8 != nullptr || a2.h_fp8 != nullptr) return false;  // the FP8 mode: chained
   TileQuery q;

@@ -105,10 +105,10 @@ LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num
 // (<= kDecodeMaxAvgRows per expert): L1's tiles alone come first (every L2 tile waits for L1
 // tiles) and L2's alone last, so where either would leave CTA slots idle it is split in K as its
 // chained decode launch would split it (the 128 x 8 split tile up to kDecode8MaxAvgRows rows per
-// expert where both K are multiples of 256, else the 128 x 16 one; L2 unsplit where both GEMMs'
-// parts would not fit the fused kernel's split workspace); otherwise the 128 x 8 tile up to
-// kDecode8MaxAvgRows rows per expert, 128 x 16 above; each the sibling that takes both K (H and
-// I). Prefill calls: the tile choose_tile gives L1 (its sibling for K) where it is a staged
+// expert where both K are multiples of 256, else the 128 x 16 one; parts only where the fused
+// kernel's split workspace holds them with the other GEMM's, L2's dropped first); otherwise the
+// 128 x 8 tile up to kDecode8MaxAvgRows rows per expert, 128 x 16 above; each the sibling that
+// takes both K (H and I). Prefill calls: the tile choose_tile gives L1 (its sibling for K) where it is a staged
 // 256 x 128 tile that takes both K; the asynchronous prefill tiles are built and run when forced,
 // but the policy chains them (measured slower fused; kPrefill256x96K2Async2 is not built: its
 // mainloop spills in the fused kernel; docs/tuning-log.md v29).
