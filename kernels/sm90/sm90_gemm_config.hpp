@@ -58,12 +58,6 @@ struct GemmParams {
   // epilogue. A launch whose tiles exceed the capacities runs unsplit (all CTAs agree: the tile
   // count comes from the same schedule).
   int k_splits = 1;
-  // 1: k_splits is an upper bound and the launch runs run_time_k_parts(k_splits, grid, tiles)
-  // parts, tiles counted from the routing (the policy's split launches: its estimate of the tiles
-  // can be off by a few experts, and a second wave of parts doubles the launch); a workspace too
-  // small for them takes fewer. 0: exactly k_splits (a caller's request), or unsplit where the
-  // workspace does not hold them.
-  int k_splits_auto = 0;
   float* split_partials = nullptr;       // [split_partial_floats]
   int64_t split_partial_floats = 0;
   int32_t* split_counters = nullptr;     // [split_counters_capacity], zero-initialized

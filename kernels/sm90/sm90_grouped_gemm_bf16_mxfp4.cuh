@@ -47,23 +47,19 @@ __device__ __forceinline__ void dispatch_n(int n, F&& f) {
   }
 }
 
-// K parts per tile of this launch (the same answer in every CTA: the tile count comes from the
-// same schedule): 1 where the config cannot split or the tiles exceed the workspace's counters;
-// with k_splits_auto the parts that keep the tiles in one wave of the grid (run_time_k_parts),
-// fewer where the partials do not fit; otherwise p.k_splits, or 1 where they do not fit.
+// K parts per tile of this launch: p.k_splits when the config supports split-K and the tiles
+// fit the workspace, else 1 (the same answer in every CTA).
 template <class Cfg>
 __device__ __forceinline__ int split_k_units(const GemmParams& p, int num_tiles) {
   if constexpr (!Cfg::kSupportsSplitK) {
     return 1;
   } else {
-    if (p.k_splits <= 1 || num_tiles > p.split_counters_capacity) return 1;
-    auto fits = [&](int parts) {
-      return static_cast<int64_t>(num_tiles) * parts * Cfg::kSplitUnitFloats <= p.split_partial_floats;
-    };
-    if (p.k_splits_auto == 0) return fits(p.k_splits) ? p.k_splits : 1;
-    int parts = run_time_k_parts(p.k_splits, gridDim.x, num_tiles);
-    while (parts > 1 && !fits(parts)) --parts;
-    return parts;
+    if (p.k_splits <= 1 || num_tiles > p.split_counters_capacity ||
+        static_cast<int64_t>(num_tiles) * p.k_splits * Cfg::kSplitUnitFloats >
+            p.split_partial_floats) {
+      return 1;
+    }
+    return p.k_splits;
   }
 }
 

@@ -147,28 +147,17 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       {s_offsets, s_prefix2, num_experts, m_blocks2, m_tiles2}};
   // Units: L1 tile t's K parts t * s1 + sp, then L2 tile t's parts U1 + t * s2 + sp (U1 = N1 s1
   // units of L1). A part covers stages [sp S / s, (sp + 1) S / s) of the S stages of K. Split
-  // tiles only: with mp.l1.k_splits_auto (the policy's) the parts mega_k_parts gives the tiles
-  // counted here, at most mp.l1 / l2.k_splits; otherwise those, where the workspace
-  // (mp.l1.split_*) holds both GEMMs' parts and counters (L1's tiles first), else unsplit. The
-  // same answer in every CTA.
+  // tiles only, and only where the workspace (mp.l1.split_*) holds both GEMMs' parts and
+  // counters (L1's tiles first); otherwise unsplit (the same answer in every CTA).
   int splits1 = 1, splits2 = 1;
   if constexpr (Cfg::kSupportsSplitK) {
-    if (mp.l1.k_splits_auto != 0) {
-      const MegaParts parts = mega_k_parts(mp.l1.k_splits, mp.l2.k_splits, gridDim.x,
-                                           ms.l1_tiles(), ms.l2.total_tiles(),
-                                           mp.l1.split_counters_capacity,
-                                           mp.l1.split_partial_floats, Cfg::kSplitUnitFloats);
-      splits1 = parts.l1;
-      splits2 = parts.l2;
-    } else {
-      const int64_t units = static_cast<int64_t>(ms.l1_tiles()) * mp.l1.k_splits +
-                            static_cast<int64_t>(ms.l2.total_tiles()) * mp.l2.k_splits;
-      if ((mp.l1.k_splits > 1 || mp.l2.k_splits > 1) &&
-          ms.total_tiles() <= mp.l1.split_counters_capacity &&
-          units * Cfg::kSplitUnitFloats <= mp.l1.split_partial_floats) {
-        splits1 = max(mp.l1.k_splits, 1);
-        splits2 = max(mp.l2.k_splits, 1);
-      }
+    const int64_t units = static_cast<int64_t>(ms.l1_tiles()) * mp.l1.k_splits +
+                          static_cast<int64_t>(ms.l2.total_tiles()) * mp.l2.k_splits;
+    if ((mp.l1.k_splits > 1 || mp.l2.k_splits > 1) &&
+        ms.total_tiles() <= mp.l1.split_counters_capacity &&
+        units * Cfg::kSplitUnitFloats <= mp.l1.split_partial_floats) {
+      splits1 = max(mp.l1.k_splits, 1);
+      splits2 = max(mp.l2.k_splits, 1);
     }
   }
   const int l1_units = ms.l1_tiles() * splits1;

@@ -61,40 +61,6 @@ struct TileScheduler {
   }
 };
 
-// K parts per tile of a split-K launch whose parts are chosen at run time (GemmParams::
-// k_splits_auto, the policy's launches): as many as keep all tiles' parts in one wave of the
-// grid's CTA slots (slots / tiles; a second wave of parts only lost, docs/tuning-log.md v7 / v9),
-// at most max_parts, at least 1. The policy applies the same rule to its row estimate; the kernel
-// applies it to the tiles it counted from the routing (the estimate's tiles can be off by a few
-// experts either way).
-MEGAMOE_SCHEDULE_FN constexpr int run_time_k_parts(int max_parts, int64_t slots, int64_t tiles) {
-  if (tiles <= 0 || max_parts <= 1) return 1;
-  const int64_t fit = slots / tiles;
-  return fit <= 1 ? 1 : fit < max_parts ? static_cast<int>(fit) : max_parts;
-}
-
-// The MegaMoE kernel's K parts of L1's and of L2's tiles (one split tile for both; its tiles of
-// either GEMM run nearly alone, so each is split by run_time_k_parts on its own), within its one
-// split workspace: unsplit where the counters do not cover every tile of both GEMMs; where the
-// partials do not hold all parts, L2's dropped first, then L1's. The policy applies it to its
-// estimate, the kernel (MegaParams: l1.k_splits_auto) to the tiles it counts.
-struct MegaParts {
-  int l1, l2;
-};
-MEGAMOE_SCHEDULE_FN constexpr MegaParts mega_k_parts(int max1, int max2, int64_t slots,
-                                                     int64_t tiles1, int64_t tiles2,
-                                                     int64_t counters, int64_t partial_floats,
-                                                     int64_t unit_floats) {
-  if (tiles1 + tiles2 > counters) return {1, 1};
-  MegaParts p{run_time_k_parts(max1, slots, tiles1), run_time_k_parts(max2, slots, tiles2)};
-  auto fits = [&](const MegaParts& q) {
-    return (tiles1 * q.l1 + tiles2 * q.l2) * unit_floats <= partial_floats;
-  };
-  if (!fits(p)) p.l2 = 1;
-  if (!fits(p)) p.l1 = 1;
-  return p;
-}
-
 // The tile prefix of one GEMM (what build_schedule writes on the device): prefix[e] = m_tiles x
 // the n-tiles of experts 0..e-1, prefix[E] the total. Host side (tests, sizing).
 template <int kBlockN>

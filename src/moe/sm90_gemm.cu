@@ -116,11 +116,7 @@ void launch_auto(GemmParams p, int64_t rows_hint, bool serial_only, const void* 
   q.split_counters_capacity = p.split_counters_capacity;
   q.split_partial_floats = p.split_partial_floats;
   const TileChoice choice = choose_tile(q);
-  if (p.k_splits == 0) {
-    // A split launch counts its parts from the tiles it finds (GemmParams::k_splits_auto).
-    p.k_splits_auto = choice.max_k_splits > 1 ? 1 : 0;
-    p.k_splits = choice.max_k_splits > 1 ? choice.max_k_splits : choice.k_splits;
-  }
+  if (p.k_splits == 0) p.k_splits = choice.k_splits;
   run_tile<kKind>(choice.tile, p, b_rows, stream);
 }
 

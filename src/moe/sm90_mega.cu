@@ -78,13 +78,9 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
     p->gate_min_avg = p->gate_max_avg = 0;
     p->unit_counter = a1.split_k.unit_counter;
   }
-  // The caller's parts (k_splits >= 1), or the policy's: on a split tile, its bounds, and the
-  // kernel counts the parts from the tiles it finds (GemmParams::k_splits_auto).
-  const bool auto_parts = a1.k_splits == 0 && a2.k_splits == 0 && choice.l1_max_splits > 0;
-  mp.l1.k_splits = a1.k_splits > 0 ? a1.k_splits : auto_parts ? choice.l1_max_splits : choice.l1_splits;
-  mp.l2.k_splits = a2.k_splits > 0 ? a2.k_splits : auto_parts ? choice.l2_max_splits : choice.l2_splits;
-  mp.l1.k_splits_auto = auto_parts ? 1 : 0;
-  mp.l2.k_splits_auto = 0;
+  // The policy's parts, or the caller's (k_splits >= 1).
+  mp.l1.k_splits = a1.k_splits > 0 ? a1.k_splits : choice.l1_splits;
+  mp.l2.k_splits = a2.k_splits > 0 ? a2.k_splits : choice.l2_splits;
   MEGAMOE_CHECK_ARG((mp.l1.k_splits <= 1 && mp.l2.k_splits <= 1) ||
                         (ws.split_partials != nullptr && ws.split_counters != nullptr),
                     "launch_mega: k_splits ", mp.l1.k_splits, " / ", mp.l2.k_splits,

@@ -73,12 +73,10 @@ double wave_fill(int64_t tiles, int64_t slots) {
 // Split-K fills the CTA slots that the tiles leave idle, in one wave: parts = slots / tiles, at
 // most kMaxKSplits and the pipeline stages of K. NOTES: a second wave of parts only lost (every
 // part pays its pipeline fill and the partials' round trip).
-// The kernel applies the same rule to the tiles it counts (run_time_k_parts).
-int max_split_parts(int64_t stages) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxKSplits, stages)));
-}
 int split_k_parts(int64_t tiles, int64_t slots, int64_t stages) {
-  return run_time_k_parts(max_split_parts(stages), slots, tiles);
+  if (tiles <= 0) return 1;
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>({slots / tiles, kMaxKSplits, stages})));
 }
 
 int64_t k_stages(TileId id, int64_t k) { return k / tile_config(id).k_multiple(); }
@@ -129,10 +127,7 @@ TileChoice choose_decode(const TileQuery& q, const RowEstimate& est) {
   const auto [tiles, slots] = decode_tiles(q, est);
   const TileId split_tile = split_tile_for(est.avg, q.k, q.k);
   const int parts = decode_split_parts(q, {tiles, slots}, split_tile);
-  if (parts > 1) {
-    return {split_tile, parts, "decode: few tiles, K split to fill the idle CTA slots (parts counted at run time)",
-            max_split_parts(k_stages(split_tile, q.k))};
-  }
+  if (parts > 1) return {split_tile, parts, "decode: few tiles, K split to fill the idle CTA slots"};
   if (tiles * kDecodeFillDen < slots * kDecodeFillNum) {
     return {TileId::kDecode64x16, 1, "decode: 128-row tiles would leave over 1/4 of the slots idle"};
   }
@@ -235,19 +230,20 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
   l2.m_rows = l1.k;
   l2.k = l2_k;
   const DecodeTiles d1 = decode_tiles(l1, est), d2 = decode_tiles(l2, est);
-  // The kernel's own rule (mega_k_parts) on the estimated tiles; the kernel applies it again to
-  // the tiles it counts, with these bounds.
-  const int max1 = max_split_parts(k_stages(split_tile, l1.k));
-  const int max2 = max_split_parts(k_stages(split_tile, l2.k));
-  const MegaParts parts =
-      l1.split_allowed ? mega_k_parts(max1, max2, d1.slots, d1.tiles, d2.tiles,
-                                      l1.split_counters_capacity, l1.split_partial_floats,
-                                      tile_config(split_tile).split_unit_floats())
-                       : MegaParts{1, 1};
-  if (parts.l1 > 1 || parts.l2 > 1) {
-    return {true, split_tile, parts.l1, parts.l2,
-            parts.l2 > 1 ? "mega: few tiles, L1 and / or L2 split in K" : "mega: few L1 tiles, L1 split in K",
-            max1, max2};
+  // The kernel's own test (sm90_mega_moe.cuh): a counter for every tile of both GEMMs and room
+  // for all their parts, else it runs unsplit.
+  auto fits = [&](int p1, int p2) {
+    return d1.tiles + d2.tiles <= l1.split_counters_capacity &&
+           (d1.tiles * p1 + d2.tiles * p2) * tile_config(split_tile).split_unit_floats() <=
+               l1.split_partial_floats;
+  };
+  int parts1 = decode_split_parts(l1, d1, split_tile);
+  int parts2 = decode_split_parts(l2, d2, split_tile);
+  if (!fits(parts1, parts2)) parts2 = 1;
+  if (!fits(parts1, parts2)) parts1 = 1;
+  if (parts1 > 1 || parts2 > 1) {
+    return {true, split_tile, parts1, parts2,
+            parts2 > 1 ? "mega: few tiles, L1 and / or L2 split in K" : "mega: few L1 tiles, L1 split in K"};
   }
   const TileId base = est.avg <= kDecode8MaxAvgRows ? TileId::kDecode128x8K4Warp : TileId::kDecode128x16K2Warp;
   const TileId tile = fit_k(fit_k(base, l1.k), l2_k);

@@ -10,7 +10,6 @@
 #include <string>
 #include <string_view>
 
-#include "sm90/sm90_tile_schedule.hpp"  // run_time_k_parts
 #include "sm90/sm90_tiles.hpp"
 
 namespace megamoe::sm90 {
@@ -55,11 +54,8 @@ struct TileQuery {
 
 struct TileChoice {
   TileId tile = TileId::kSerial64x8;
-  int k_splits = 1;         // K parts for the estimated tiles
+  int k_splits = 1;
   const char* reason = "";  // one line: the rule that chose it
-  // Split launches: the most parts the kernel may take when it applies the same rule to the tiles
-  // it counts (GemmParams::k_splits_auto; run_time_k_parts); 0: k_splits as is.
-  int max_k_splits = 0;
 };
 
 // FP8 mode (the E4M3 tiles, TileConfig::fp8): the launches of an FP8 GEMM of reduction K (a
@@ -148,9 +144,6 @@ struct MegaChoice {
   int l1_splits = 1;   // K parts of each L1 tile (a split tile)
   int l2_splits = 1;   // K parts of each L2 tile
   const char* reason = "";
-  // Split choices: the most parts of each GEMM's tiles the kernel may take when it applies the
-  // same rule (mega_k_parts) to the tiles it counts; 0: l1_splits / l2_splits as they are.
-  int l1_max_splits = 0, l2_max_splits = 0;
 };
 MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_scales,
                             const TileRequest& request);

@@ -6,7 +6,6 @@
 #include <set>
 #include <sstream>
 #include <string>
-#include <utility>
 
 #include "megamoe/config.hpp"
 #include "megamoe/error.hpp"
@@ -225,13 +224,6 @@ TEST(TilePolicy, NamesTheTileForEveryShapeAndTokenCount) {
                               std::to_string(pt.tokens) + " L" + std::to_string(pt.gemm);
     EXPECT_STREQ(sm90::tile_config(c.tile).name, pt.tile) << where << ": " << c.reason;
     EXPECT_EQ(c.k_splits, pt.k_splits) << where;
-    // A split launch counts its parts again on the device, up to the stages of K and kMaxKSplits.
-    if (sm90::tile_config(c.tile).split_k) {
-      const int stages = static_cast<int>(q.k / sm90::tile_config(c.tile).k_multiple());
-      EXPECT_EQ(c.max_k_splits, std::min(sm90::kMaxKSplits, stages)) << where;
-    } else {
-      EXPECT_EQ(c.max_k_splits, 0) << where;
-    }
     EXPECT_NE(std::string(c.reason), "") << where;
     EXPECT_EQ(q.k % sm90::tile_config(c.tile).k_multiple(), 0) << where;
     EXPECT_EQ(sm90::plan_launches(hint, pt.tokens, static_cast<int>(e_l), max_rows).count, pt.launches)
@@ -357,10 +349,6 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
   EXPECT_EQ(ds1.tile, TileId::kDecode128x8K4WarpSplitK) << ds1.reason;
   EXPECT_EQ(ds1.l1_splits, 2);
   EXPECT_EQ(ds1.l2_splits, 1) << "448 L2 tiles on 528 slots: unsplit";
-  // The kernel counts the parts again from its tiles, up to 4 each (7168 / 256 and 2048 / 256
-  // stages of K).
-  EXPECT_EQ(ds1.l1_max_splits, 4);
-  EXPECT_EQ(ds1.l2_max_splits, 4);
   // One Kimi-K3 EP8 rank at T = 1 (2 rows over 112 experts): 96 L1 and 56 L2 tiles, each GEMM in
   // 4 parts as its chained launch would be; with a workspace that holds only L1's parts, L2
   // unsplit.
@@ -404,64 +392,6 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
   EXPECT_FALSE(sm90::choose_mega_tile(q, 2880, true, sm90::TileRequest::forced(TileId::kDecode128x8K4Warp)).fused)
       << "a forced tile that does not take I";
   for (TileId id : sm90::kMegaTiles) EXPECT_TRUE(sm90::tile_config(id).mega_kernel()) << id;
-}
-
-// The split launches' parts, counted on the device from the tiles the routing gives
-// (run_time_k_parts: one wave of parts over the CTA slots, up to the policy's bound), and the
-// fused kernel's pair (mega_k_parts). An EP8 rank of DeepSeek-V3 at T = 8 expects 8 experts of
-// its 32 (256 L1 tiles: 2 parts), but a call hits anywhere from ~4 to ~12.
-TEST(TilePolicy, RunTimePartsFollowTheTilesCounted) {
-  const int64_t slots = int64_t{kH200Sms} * 4;  // 528
-  EXPECT_EQ(sm90::run_time_k_parts(4, slots, 256), 2);
-  EXPECT_EQ(sm90::run_time_k_parts(4, slots, 192), 2) << "6 experts: 2.75 -> 2";
-  EXPECT_EQ(sm90::run_time_k_parts(4, slots, 160), 3) << "5 experts";
-  EXPECT_EQ(sm90::run_time_k_parts(4, slots, 96), 4) << "3 experts: 5.5, at most 4";
-  EXPECT_EQ(sm90::run_time_k_parts(3, slots, 96), 3) << "the bound (stages of K)";
-  EXPECT_EQ(sm90::run_time_k_parts(4, slots, 288), 1)
-      << "9 experts: 2 parts would be 576 units, a second wave";
-  EXPECT_EQ(sm90::run_time_k_parts(4, slots, 264), 2);
-  EXPECT_EQ(sm90::run_time_k_parts(4, slots, 265), 1);
-  EXPECT_EQ(sm90::run_time_k_parts(4, slots, 0), 1) << "no tiles";
-  EXPECT_EQ(sm90::run_time_k_parts(1, slots, 10), 1) << "bound 1: unsplit";
-  // The policy's parts are the same rule on its estimate.
-  sm90::TileQuery q;
-  q.rows_hint = 8;
-  q.max_rows = 8 * 8 * 8;
-  q.num_experts = 32;
-  q.m_rows = 2 * 2048;
-  q.k = 7168;
-  q.sm_count = kH200Sms;
-  q.small_scales = q.unit_counter = q.split_allowed = true;
-  q.split_counters_capacity = sm90::split_k_counters_for(kH200Sms);
-  q.split_partial_floats = sm90::split_k_partial_floats_for(kH200Sms);
-  const sm90::TileChoice c = sm90::choose_tile(q);
-  EXPECT_EQ(c.tile, TileId::kDecode128x8K4WarpSplitK) << c.reason;
-  EXPECT_EQ(c.k_splits, sm90::run_time_k_parts(c.max_k_splits, slots, 8 * 32));
-  EXPECT_EQ(c.max_k_splits, 4);
-  // Whatever the kernel counts, its parts fit the chained launches' workspace: parts > 1 only for
-  // tiles <= slots / 2 (the counters) and parts x tiles <= slots (the partials).
-  const int unit = sm90::tile_config(TileId::kDecode128x16K2WarpSplitK).split_unit_floats();
-  for (int64_t tiles = 1; tiles <= 2 * slots; ++tiles) {
-    const int parts = sm90::run_time_k_parts(4, slots, tiles);
-    if (parts > 1) {
-      EXPECT_LE(tiles, q.split_counters_capacity) << tiles;
-      EXPECT_LE(tiles * parts * unit, q.split_partial_floats) << tiles;
-    }
-  }
-  // The fused kernel: each GEMM by the same rule, within its one workspace.
-  const int64_t counters = sm90::mega_split_counters(kH200Sms);
-  const int64_t floats = sm90::mega_split_partial_floats(kH200Sms);
-  const int64_t u8 = sm90::tile_config(TileId::kDecode128x8K4WarpSplitK).split_unit_floats();
-  auto parts = [&](int64_t t1, int64_t t2, int64_t c, int64_t f) {
-    const sm90::MegaParts p = sm90::mega_k_parts(4, 4, slots, t1, t2, c, f, u8);
-    return std::make_pair(p.l1, p.l2);
-  };
-  EXPECT_EQ(parts(256, 448, counters, floats), std::make_pair(2, 1)) << "deepseek-v3 T = 1";
-  EXPECT_EQ(parts(96, 56, counters, floats), std::make_pair(4, 4)) << "kimi-k3 EP8 rank T = 1";
-  EXPECT_EQ(parts(352, 616, counters, floats), std::make_pair(1, 1)) << "11 experts of deepseek-v3";
-  EXPECT_EQ(parts(96, 56, counters, (96 * 4 + 56) * u8), std::make_pair(4, 1)) << "L2's parts dropped first";
-  EXPECT_EQ(parts(96, 56, counters, 96 * 4 * u8), std::make_pair(1, 1)) << "then L1's";
-  EXPECT_EQ(parts(256, 448, 256 + 447, floats), std::make_pair(1, 1)) << "a counter per tile";
 }
 
 TEST(LayerOptions, TileAndRowsHintAreValidated) {

@@ -842,38 +842,6 @@ TEST(Sm90Gemm, KAutoSplitKAtOneToken) {
   run_l2_case(p, 8, false);
 }
 
-// The policy's split launches count their K parts from the tiles the routing gives
-// (run_time_k_parts), not from its estimate: DeepSeek-V3's L1 with the estimate of T = 1 (8
-// experts, 256 tiles: 2 parts) on routings that hit 3 experts (96 tiles: 4 parts on an H200) and
-// 11 (352 tiles: unsplit, one wave instead of two). Each part of each tile stores its partials
-// in the split workspace, so the floats written there count the parts; the output equals the
-// forced run of those parts bit for bit, and the reference (run_l1_case).
-TEST(Sm90Gemm, KAutoSplitKPartsFollowTheRoutedTiles) {
-  SKIP_WITHOUT_SM90();
-  const int64_t slots = int64_t{cuda::device_info().sm_count} * 4;
-  const auto& ws = split_workspace();
-  const TileId tile = TileId::kDecode128x8K4WarpSplitK;
-  const int64_t unit = sm90::tile_config(tile).split_unit_floats();
-  for (int hit : {3, 11}) {
-    std::vector<int> counts(12, 0);
-    for (int e = 0; e < hit; ++e) counts[(e * 5) % 12] = 1;
-    const Problem p = make_problem(7168, 2048, counts, false, 40 + hit);
-    const int64_t tiles = int64_t{hit} * (2 * 2048 / 128);
-    const int parts = sm90::run_time_k_parts(sm90::kMaxKSplits, slots, tiles);
-    SCOPED_TRACE("experts hit " + std::to_string(hit) + ", tiles " + std::to_string(tiles) +
-                 ", parts " + std::to_string(parts));
-    MEGAMOE_CUDA_CHECK(cudaMemset(ws.partials, 0xFF, ws.partial_floats * sizeof(float)));
-    std::vector<uint16_t> automatic, forced_run;
-    run_l1_case(p, 8, Activation::swiglu(), true, false, {}, 0, &automatic);
-    std::vector<uint32_t> bits(ws.partial_floats);
-    MEGAMOE_CUDA_CHECK(cudaMemcpy(bits.data(), ws.partials, bits.size() * 4, cudaMemcpyDeviceToHost));
-    const int64_t written = std::count_if(bits.begin(), bits.end(), [](uint32_t b) { return b != 0xFFFFFFFFu; });
-    EXPECT_EQ(written, parts > 1 ? tiles * parts * unit : 0) << "partials written: the parts run";
-    run_l1_case(p, p.rows, Activation::swiglu(), true, false, forced(tile), parts, &forced_run);
-    EXPECT_TRUE(automatic == forced_run) << "the policy's launch differs from " << parts << " forced parts";
-  }
-}
-
 // Forced k_splits the tile or the K cannot take are rejected with the field named.
 TEST(Sm90Gemm, SplitKRejectsWhatCannotSplit) {
   SKIP_WITHOUT_SM90();
