@@ -65,8 +65,9 @@ struct Sm90Flags {
     app.add_flag("--no-pdl", no_pdl, "plain launches instead of programmatic dependent launch");
     app.add_flag("--mega", mega,
                  "the MegaMoE kernel: both expert GEMMs in one persistent launch for calls with "
-                 "up to 12 rows per expert and prefill calls on the staged 256 x 128 tiles "
-                 "(exact mode; a forced tile it is built for runs fused); the chain otherwise");
+                 "8 or more estimated rows and up to 12 rows per expert, and prefill calls on "
+                 "the staged 256 x 128 tiles (exact mode; a forced tile it is built for runs "
+                 "fused); the chain otherwise");
     app.add_flag("--no-decode-front", no_decode_front,
                  "quantize, dispatch and gather as three launches also for decode calls "
                  "(T*K <= 1024 on one GPU, exact mode), where they are one by default");

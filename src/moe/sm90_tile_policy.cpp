@@ -36,6 +36,11 @@ constexpr int64_t kDecodeFillNum = 3, kDecodeFillDen = 4;
 // the last wave of a persistent launch leaves slots idle.
 constexpr double kThreeCtaMinGain = 1.1;
 
+// The MegaMoE kernel from 8 estimated rows of the launch on: with fewer (a few experts, each GEMM
+// split in up to 4 parts) it measured 1.03-1.13x the chain's time at EP8 ranks of both shapes
+// (T = 1, 2 and deepseek-v3 T = 4: 1.00), and 0.83-0.93x from 8 rows (docs/tuning-log.md v31).
+constexpr int64_t kMegaMinRows = 8;
+
 constexpr TileId kDecode128Tile = TileId::kDecode128x16K2Warp;
 constexpr TileId kSplitTile = TileId::kDecode128x16K2WarpSplitK;
 // Up to kDecode8MaxAvgRows rows per expert the 8-row split tile, as the unsplit launches take
@@ -211,6 +216,10 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
     return {false, TileId::kDecode128x16K2Warp, 1, 1, "serial tiles: chained"};
   }
   const RowEstimate est = estimate_rows(l1.rows_hint, l1.max_rows, l1.num_experts);
+  if (est.active * est.avg < kMegaMinRows) {
+    return {false, TileId::kDecode128x8K4Warp, 1, 1,
+            "fewer than 8 estimated rows: chained (the fused kernel measured slower there)"};
+  }
   if (est.avg > kDecodeMaxAvgRows) {
     // The prefill tile L1's launch would take (or its sibling), for both GEMMs.
     // NOTES: only the staged tiles by default: the asynchronous ones run fused when forced but

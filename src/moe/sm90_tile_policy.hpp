@@ -101,7 +101,8 @@ LaunchPlan plan_launches(int64_t rows_hint, int64_t rows_per_expert_max, int num
 
 // The MegaMoE kernel (kernels/sm90/sm90_mega_moe.cuh: L1 and L2 in one persistent launch) runs
 // one tile for both GEMMs, from the tiles it is built for (kMegaTiles). Its rule: small scales
-// (the overlapped tiles), no serial request. Calls whose row estimate is in a decode class
+// (the overlapped tiles), no serial request, at least 8 estimated rows in the launch (fewer:
+// chained, measured faster there). Calls whose row estimate is in a decode class
 // (<= kDecodeMaxAvgRows per expert): L1's tiles alone come first (every L2 tile waits for L1
 // tiles) and L2's alone last, so where either would leave CTA slots idle it is split in K as its
 // chained decode launch would split it (the 128 x 8 split tile up to kDecode8MaxAvgRows rows per

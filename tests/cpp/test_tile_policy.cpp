@@ -312,8 +312,10 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
                         Case{"deepseek-v3", 512, false, TileId::kPrefill256x64K2Async},
                         Case{"deepseek-v3", 4096, false, TileId::kPrefill128x192Async},
                         Case{"deepseek-v3", 8192, true, TileId::kPrefill256x128K2Staged},
-                        // H = 2880 = 45 x 64: the k1 sibling takes it
-                        Case{"gpt-oss-120b", 1, true, TileId::kDecode128x8K1Warp},
+                        // H = 2880 = 45 x 64: the k1 sibling takes it (T = 2: 8 rows; T = 1
+                        // has 4, fewer than the fused kernel's 8)
+                        Case{"gpt-oss-120b", 1, false, TileId::kDecode128x8K1Warp},
+                        Case{"gpt-oss-120b", 2, true, TileId::kDecode128x8K1Warp},
                         // and the k1 staged tile at prefill (no two-k-block tile takes 2880)
                         Case{"gpt-oss-120b", 2048, true, TileId::kPrefill256x128K1Staged}}) {
     const LayerShape s = shape_preset(c.shape);
@@ -349,23 +351,30 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
   EXPECT_EQ(ds1.tile, TileId::kDecode128x8K4WarpSplitK) << ds1.reason;
   EXPECT_EQ(ds1.l1_splits, 2);
   EXPECT_EQ(ds1.l2_splits, 1) << "448 L2 tiles on 528 slots: unsplit";
-  // One Kimi-K3 EP8 rank at T = 1 (2 rows over 112 experts): 96 L1 and 56 L2 tiles, each GEMM in
-  // 4 parts as its chained launch would be; with a workspace that holds only L1's parts, L2
-  // unsplit.
+  // Fewer than 8 estimated rows: chained (one EP8 rank's share at T = 1 and 2 measured slower
+  // fused, tuning log v31), also where the split tiles would fill the slots.
   sm90::TileQuery ep8 = query("kimi-k3", 1);
   ep8.num_experts = 112;
-  ep8.rows_hint = 2;
   ep8.split_allowed = true;
   ep8.split_counters_capacity = split.split_counters_capacity;
   ep8.split_partial_floats = split.split_partial_floats;
   const int64_t kimi_i = shape_preset("kimi-k3").intermediate;
+  for (int64_t rows : {1, 2, 4, 7}) {
+    ep8.rows_hint = rows;
+    EXPECT_FALSE(sm90::choose_mega_tile(ep8, kimi_i, true, automatic).fused) << rows << " rows";
+  }
+  // From 8 rows (one Kimi-K3 EP8 rank at T = 4: 8 of its 112 experts): 384 L1 tiles fill the
+  // slots, 224 L2 tiles leave half of them idle: L2 in 2 parts, as its chained launch would be;
+  // with a workspace that does not hold them, unsplit.
+  ep8.rows_hint = 8;
   const sm90::MegaChoice k8 = sm90::choose_mega_tile(ep8, kimi_i, true, automatic);
+  EXPECT_TRUE(k8.fused);
   EXPECT_EQ(k8.tile, TileId::kDecode128x8K4WarpSplitK) << k8.reason;
-  EXPECT_EQ(k8.l1_splits, 4);
-  EXPECT_EQ(k8.l2_splits, 4);
-  ep8.split_partial_floats = (96 * 4 + 56) * sm90::tile_config(TileId::kDecode128x8K4WarpSplitK).split_unit_floats();
+  EXPECT_EQ(k8.l1_splits, 1);
+  EXPECT_EQ(k8.l2_splits, 2);
+  ep8.split_partial_floats = (384 + 224) * sm90::tile_config(TileId::kDecode128x8K4WarpSplitK).split_unit_floats();
   const sm90::MegaChoice k8_small = sm90::choose_mega_tile(ep8, kimi_i, true, automatic);
-  EXPECT_EQ(k8_small.l1_splits, 4);
+  EXPECT_EQ(k8_small.tile, TileId::kDecode128x8K4Warp) << k8_small.reason;
   EXPECT_EQ(k8_small.l2_splits, 1);
   // The kernel needs a counter for every tile of both GEMMs: with fewer, nothing is split (the
   // chained launches' workspace, 264 counters, against deepseek-v3 T = 1's 256 + 448 tiles).
@@ -376,7 +385,7 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
   EXPECT_EQ(unsplit.l2_splits, 1);
   // The 8-row split tile takes only K that are multiples of 256 (both GEMMs' where one tile runs
   // both); otherwise the 16-row split tile's sibling.
-  sm90::TileQuery gpt1 = query("gpt-oss-120b", 1);
+  sm90::TileQuery gpt1 = query("gpt-oss-120b", 2);  // 8 rows: 184 L2 tiles, L2 in 2 parts
   gpt1.split_allowed = true;
   gpt1.split_counters_capacity = split.split_counters_capacity;
   gpt1.split_partial_floats = split.split_partial_floats;

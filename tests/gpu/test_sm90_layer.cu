@@ -1062,13 +1062,13 @@ TEST(Sm90Layer, MegaKernelSplitsL1AsTheChain) {
 }
 
 // The policy's tile (auto): the reference checks of every layer test, at decode and prefill
-// token counts (decode and prefill tiles in the fused kernel), every activation of the small
-// shape.
+// token counts (decode and prefill tiles in the fused kernel; the small shape's T = 1 has 4
+// rows, which the policy chains), every activation of the small shape.
 TEST(Sm90Layer, MegaKernelAgainstTheReference) {
   MEGAMOE_REQUIRE_SM90();
   uint64_t seed = 3300;
   for (const char* a : {"swiglu", "swiglu:clamp=7", "situ", "swiglu_oai"}) {
-    for (int64_t t : {int64_t(1), int64_t(64), int64_t(513)}) {
+    for (int64_t t : {int64_t(1), int64_t(2), int64_t(64), int64_t(513)}) {
       LayerCase c = small_case(t, a, true);
       c.mega = true;
       run_case(c, seed++);
