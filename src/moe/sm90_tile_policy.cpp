@@ -216,7 +216,8 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
     return {false, TileId::kDecode128x16K2Warp, 1, 1, "serial tiles: chained"};
   }
   const RowEstimate est = estimate_rows(l1.rows_hint, l1.max_rows, l1.num_experts);
-  if (est.active * est.avg < kMegaMinRows) {
+  const int64_t est_rows = l1.rows_hint > 0 ? std::min(l1.rows_hint, l1.max_rows) : l1.max_rows;
+  if (est_rows < kMegaMinRows) {
     return {false, TileId::kDecode128x8K4Warp, 1, 1,
             "fewer than 8 estimated rows: chained (the fused kernel measured slower there)"};
   }

@@ -363,6 +363,11 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
     ep8.rows_hint = rows;
     EXPECT_FALSE(sm90::choose_mega_tile(ep8, kimi_i, true, automatic).fused) << rows << " rows";
   }
+  // The rows of the launch, not rows per expert times experts: 9 rows over 5 experts are fused.
+  sm90::TileQuery five = ep8;
+  five.num_experts = 5;
+  five.rows_hint = 9;
+  EXPECT_TRUE(sm90::choose_mega_tile(five, kimi_i, true, automatic).fused);
   // From 8 rows (one Kimi-K3 EP8 rank at T = 4: 8 of its 112 experts): 384 L1 tiles fill the
   // slots, 224 L2 tiles leave half of them idle: L2 in 2 parts, as its chained launch would be;
   // with a workspace that does not hold them, unsplit.
