@@ -37,8 +37,7 @@ constexpr int64_t kDecodeFillNum = 3, kDecodeFillDen = 4;
 constexpr double kThreeCtaMinGain = 1.1;
 
 // The MegaMoE kernel from 8 estimated rows of the launch on: with fewer (a few experts, each GEMM
-// split in up to 4 parts) it measured 1.03-1.13x the chain's time at EP8 ranks of both shapes
-// (T = 1, 2 and deepseek-v3 T = 4: 1.00), and 0.83-0.93x from 8 rows (docs/tuning-log.md v31).
+// split in up to 4 parts) it measured slower than the chain (docs/tuning-log.md v31).
 constexpr int64_t kMegaMinRows = 8;
 
 constexpr TileId kDecode128Tile = TileId::kDecode128x16K2Warp;
@@ -60,13 +59,13 @@ static_assert(tile_config(kSplitTile).ctas_per_sm == kDecodeCtasPerSm &&
               "workspace holds the 8-row one's");
 
 struct RowEstimate {
-  int64_t active, avg;
+  int64_t rows, active, avg;
 };
 // A row estimate (0: the capacity) spread over as many experts as there are rows, up to E_l.
 RowEstimate estimate_rows(int64_t rows_hint, int64_t max_rows, int num_experts) {
   const int64_t rows = rows_hint > 0 ? std::min<int64_t>(rows_hint, max_rows) : max_rows;
   const int64_t active = std::max<int64_t>(1, std::min<int64_t>(rows, num_experts));
-  return {active, rows / active};
+  return {rows, active, rows / active};
 }
 
 // Fraction of the CTA slots busy over the waves of a persistent launch of `tiles` tiles.
@@ -216,8 +215,7 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
     return {false, TileId::kDecode128x16K2Warp, 1, 1, "serial tiles: chained"};
   }
   const RowEstimate est = estimate_rows(l1.rows_hint, l1.max_rows, l1.num_experts);
-  const int64_t est_rows = l1.rows_hint > 0 ? std::min(l1.rows_hint, l1.max_rows) : l1.max_rows;
-  if (est_rows < kMegaMinRows) {
+  if (est.rows < kMegaMinRows) {
     return {false, TileId::kDecode128x8K4Warp, 1, 1,
             "fewer than 8 estimated rows: chained (the fused kernel measured slower there)"};
   }
