@@ -54,6 +54,8 @@ const char* to_string(Precision precision);
 struct Sm90Options {
   // GEMM tile: "auto" (the policy), "serial" (the policy over the serial-mainloop tiles, exact for
   // any scale byte) or one tile of the shipped table for both GEMMs (`megamoe bench --list-tiles`).
+  // An FP8-mode tile (fp8_*; precision fp8 only) is forced on the FP8 mode's calls, the exact
+  // mode's calls of that layer taking the policy's tiles.
   std::string gemm_tile = "auto";
   bool programmatic_launch = true;  // programmatic dependent launch between the six kernels
   RowsHintMode rows_hint = RowsHintMode::kGated;

@@ -111,6 +111,10 @@ struct MegaParams {
   int32_t* consumed = nullptr;   // [ready_capacity]: L2 tiles past their wait per slot; the same
   int ready_capacity = 0;        // >= max_schedule_slots(max_rows, E_l, BLOCK_N)
   // Under expert parallelism l2.out_rows points each row at its source rank's combine slot.
+  // FP8 mode (the E4M3 tiles): L2's B rows and row factors (l2.b_row_factor == h_factor), which
+  // the kernel's rebase units write from l1.h_q / l1.h_sf as launch_rebase_rows_e4m3 would.
+  uint8_t* h_fp8 = nullptr;      // [max_rows + kRowSlack, I]
+  float* h_factor = nullptr;     // [max_rows + kRowSlack]
 };
 
 // The launch gate's test: `rows` routed rows over `hits` experts lie in (p.gate_min_avg,

@@ -182,8 +182,9 @@ __device__ __forceinline__ typename Mainloop<Cfg>::RowExps fp8_row_exps(
 
 // FP8 mode: the accumulators of (weight row m, token row r) times 2^(s_max(m) - 128) *
 // b_row_factor[r], the two factors the operands were rebased by (columns past the tile's rows
-// read factors of the slack rows and are never stored).
-template <class Cfg>
+// read factors of the slack rows and are never stored). kCoherent: b_row_factor read through L2
+// only, for factors written earlier in the same launch (the MegaMoE kernel's rebase units).
+template <class Cfg, bool kCoherent = false>
 __device__ __forceinline__ void fp8_apply_row_factors(
     const GemmParams& p, const TileInfo& tile, const typename Mainloop<Cfg>::RowExps& rx,
     float (&acc)[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2], int tid) {
@@ -198,7 +199,8 @@ __device__ __forceinline__ void fp8_apply_row_factors(
   for (int c = 0; c < Cfg::kBlockN / 8; ++c) {
     // (two loads: a tile's first row may be odd)
     const float* f = p.b_row_factor + tile.row0 + 8 * c + 2 * t;
-    const float2 fb = make_float2(__ldg(f), __ldg(f + 1));
+    const float2 fb = kCoherent ? make_float2(__ldcg(f), __ldcg(f + 1))
+                                : make_float2(__ldg(f), __ldg(f + 1));
 #pragma unroll
     for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
       acc[sub][4 * c + 0] *= fw[sub][0] * fb.x;

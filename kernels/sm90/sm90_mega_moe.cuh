@@ -41,6 +41,7 @@
 #include <cstdint>
 
 #include "sm90/sm90_grouped_gemm_bf16_mxfp4.cuh"
+#include "sm90/sm90_rebase_row.cuh"
 #include "sm90/sm90_tile_schedule.hpp"
 
 namespace megamoe::sm90 {
@@ -49,6 +50,14 @@ namespace megamoe::sm90 {
 template <class Cfg>
 constexpr size_t mega_smem_bytes(int num_experts) {
   return Cfg::smem_bytes(num_experts) + sizeof(int32_t) * static_cast<size_t>(num_experts + 1);
+}
+
+// FP8 mode: L1's rows (h_q, h_sf) are rebased into L2's E4M3 rows (h_fp8, h_factor) by rebase
+// units between L1's and L2's units, kMegaRebaseRows rows of a slot each.
+constexpr int kMegaRebaseRows = 64;
+template <class Cfg>
+constexpr int mega_rebase_units_per_slot() {
+  return Cfg::kFp8 ? (Cfg::kBlockN + kMegaRebaseRows - 1) / kMegaRebaseRows : 0;
 }
 
 // Spins until *counter reaches target (one thread). Gives up after kWaitTimeoutCycles and traps,
@@ -109,7 +118,11 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
                                                   : (Cfg::kNumMathWG == 1 ? 1 : 1 + Cfg::kNumMathWG);
   constexpr int kPublishThreads = Cfg::kAsyncEpilogue ? Cfg::kEpilogueThreads
                                                       : Cfg::kNumMathWG * Cfg::kWarpgroupThreads;
-  static_assert(kBarPublish <= 15, "named barriers 0..15");
+  // FP8 mode: the barrier of the math warpgroups after a rebase unit's rows, before one of them
+  // publishes it.
+  constexpr int kBarRebase = kBarPublish + 1;
+  constexpr int kRebaseUnitsPerSlot = mega_rebase_units_per_slot<Cfg>();
+  static_assert(kBarRebase <= 15, "named barriers 0..15");
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kNumStages; ++s) {
@@ -160,13 +173,19 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       splits2 = max(mp.l2.k_splits, 1);
     }
   }
+  // FP8 mode: between L1's units and L2's, kRebaseUnitsPerSlot rebase units per slot (slot-major);
+  // each waits for its slot's L1 tiles and adds 1 to the slot's ready count, so an L2 tile waits
+  // for ready_target() + kRebaseUnitsPerSlot.
   const int l1_units = ms.l1_tiles() * splits1;
-  const int num_units = l1_units + ms.l2.total_tiles() * splits2;
-  // The unit's tile (a MegaSchedule index), K part and parts.
+  const int l2_first = l1_units + ms.num_slots() * kRebaseUnitsPerSlot;
+  const int num_units = l2_first + ms.l2.total_tiles() * splits2;
+  const int l2_ready_target = ms.ready_target() + kRebaseUnitsPerSlot;
+  auto is_rebase = [&](int u) { return u >= l1_units && u < l2_first; };
+  // The unit's tile (a MegaSchedule index), K part and parts (GEMM units).
   auto tile_of = [&](int u) {
-    return u < l1_units ? u / splits1 : (u - l1_units) / splits2 + ms.l1_tiles();
+    return u < l1_units ? u / splits1 : (u - l2_first) / splits2 + ms.l1_tiles();
   };
-  auto part_of = [&](int u) { return u < l1_units ? u % splits1 : (u - l1_units) % splits2; };
+  auto part_of = [&](int u) { return u < l1_units ? u % splits1 : (u - l2_first) % splits2; };
   auto k_range = [&](int u, int& kb_begin, int& kb_end) {
     const int parts = u < l1_units ? splits1 : splits2;
     const int sp = part_of(u);
@@ -260,6 +279,19 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     if constexpr (!Cfg::kUseSetMaxNReg) ptx::launch_dependents();
     int u = atomicAdd(mp.l1.unit_counter, 1);
     while (u < num_units) {
+      if constexpr (kRebaseUnitsPerSlot > 0) {
+        if (is_rebase(u)) {
+          // A rebase unit: once its slot's L1 tiles are done, name it to the math warpgroups in
+          // a stage without data (a plain arrival completes the stage's full barrier).
+          wait_count(mp.ready + (u - l1_units) / kRebaseUnitsPerSlot, ms.ready_target());
+          ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
+          s_stage_unit[stage] = u;
+          ptx::mbar_arrive(&full_bars[stage]);
+          if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+          u = atomicAdd(mp.l1.unit_counter, 1);
+          continue;
+        }
+      }
       const bool l1 = u < l1_units;
       const TileInfo tile = ms.get(tile_of(u));
       if (!l1) {
@@ -267,9 +299,9 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         // weights do not depend on them: where the slot is not ready, the pipeline's depth of
         // them goes out before the wait.
         const int slot = ms.slot(tile);
-        if (ptx::ld_acquire_gpu(mp.ready + slot) < ms.ready_target()) {
+        if (ptx::ld_acquire_gpu(mp.ready + slot) < l2_ready_target) {
           copy_weights_ahead(u, tile, Cfg::kNumStages);
-          wait_count(mp.ready + slot, ms.ready_target());
+          wait_count(mp.ready + slot, l2_ready_target);
         }
         ptx::fence_proxy_async_global();  // the rows were written by generic-proxy stores
         if (atomicAdd(mp.consumed + slot, 1) == ms.l2.m_tiles * splits2 - 1) {
@@ -313,7 +345,6 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     using ML = Mainloop<Cfg>;
     const int mwg = Cfg::kNumMathWG == 1 ? 0 : wg;  // this math warpgroup
     float acc[Cfg::kMBlocksPerWG][Cfg::kBlockN / 2];
-    const typename ML::RowExps rx{};  // exact mode
     int stage = 0;
     uint32_t phase = 0;
     bool staged_any = false;  // asynchronous epilogue: a unit of this warpgroup is staged
@@ -322,22 +353,63 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       return static_cast<int>(s_stage_unit[stage]);
     };
     for (int u = next_unit(); u >= 0 && u < num_units; u = next_unit()) {
+      if constexpr (kRebaseUnitsPerSlot > 0) {
+        if (is_rebase(u)) {
+          // Rows [chunk x 64, + 64) of the slot, one warp per row (the rebase launch's
+          // arithmetic): L1's h_q / h_sf (written in this launch: read through L2 after an
+          // acquire of the slot's count) into L2's E4M3 rows and factors; then the math
+          // warpgroups' barrier, one release add, and the stage back to the producer.
+          const int slot = (u - l1_units) / kRebaseUnitsPerSlot;
+          const int chunk = (u - l1_units) % kRebaseUnitsPerSlot;
+          const TileInfo st = ms.slot_info(slot);
+          (void)ptx::ld_acquire_gpu(mp.ready + slot);
+          const int cols = mp.l2.k;
+          const uint32_t groups = static_cast<uint32_t>(cols) / kScaleBlock;
+          const int row_end = min(st.row0 + st.num_rows, st.row0 + (chunk + 1) * kMegaRebaseRows);
+          constexpr int kWarps = Cfg::kNumMathWG * Cfg::kWarpgroupThreads / 32;
+          for (int r = st.row0 + chunk * kMegaRebaseRows + (mwg * Cfg::kWarpgroupThreads + tid) / 32;
+               r < row_end; r += kWarps) {
+            rebase_row_e4m3<true>(mp.l1.h_q + static_cast<int64_t>(r) * cols,
+                                  mp.l1.h_sf + static_cast<int64_t>(r) * groups, groups,
+                                  mp.h_fp8 + static_cast<int64_t>(r) * cols, mp.h_factor + r,
+                                  tid % 32);
+          }
+          ptx::named_barrier_sync(kBarRebase, Cfg::kNumMathWG * Cfg::kWarpgroupThreads);
+          if (mwg == 0 && tid == 0) ptx::red_release_gpu_add(mp.ready + slot, 1);
+          ptx::mbar_arrive(&empty_bars[stage]);
+          if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+          continue;
+        }
+      }
       const bool l1 = u < l1_units;
       const TileInfo tile = ms.get(tile_of(u));
+      const GemmParams& gp = l1 ? mp.l1 : mp.l2;
       int kb_begin, kb_end;
       k_range(u, kb_begin, kb_end);
+      bool valid[Cfg::kMBlocksPerWG];
+#pragma unroll
+      for (int sub = 0; sub < Cfg::kMBlocksPerWG; ++sub) {
+        valid[sub] = mwg * Cfg::kMBlocksPerWG + sub < tile.num_m_blocks;
+      }
+      const typename ML::RowExps rx = fp8_row_exps<Cfg>(gp, tile, valid, mwg, tid);
       dispatch_n<Cfg::kNStep, Cfg::kBlockN>(tile.num_rows, [&](auto n_tag) {
         ML::template run<decltype(n_tag)::value>(acc, smem_b, smem_a, smem_sf, full_bars,
                                                   empty_bars, kb_end - kb_begin, mwg, tid, stage,
                                                   phase, rx);
       });
+      if constexpr (Cfg::kFp8) {
+        // L2's row factors were written by this launch's rebase units: read through L2, after
+        // the unit's B rows, which the producer loaded only once it had acquired the slot's
+        // count (the count itself may be reset by then: the slot's last L2 tile past its wait).
+        fp8_apply_row_factors<Cfg, true>(gp, tile, rx, acc, tid);
+      }
       if constexpr (Cfg::kSupportsSplitK) {
         // Only the tile's last part to arrive goes on, with the parts summed in part order.
         const int parts = l1 ? splits1 : splits2;
         if (parts > 1) {
           const int t = tile_of(u);
           const int64_t first_unit = l1 ? static_cast<int64_t>(t) * splits1
-                                        : l1_units + static_cast<int64_t>(t - ms.l1_tiles()) * splits2;
+                                        : l2_first + static_cast<int64_t>(t - ms.l1_tiles()) * splits2;
           if (!split_k_reduce_at<Cfg>(mp.l1.split_partials + first_unit * Cfg::kSplitUnitFloats,
                                       mp.l1.split_counters + t, acc, part_of(u), parts, 0, tid)) {
             continue;

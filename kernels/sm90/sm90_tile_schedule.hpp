@@ -92,6 +92,18 @@ struct MegaSchedule {
   MEGAMOE_SCHEDULE_FN int num_slots() const { return l1.total_tiles() / l1.m_tiles; }
   // The count a slot's ready counter reaches when every L1 tile of its rows is done.
   MEGAMOE_SCHEDULE_FN int ready_target() const { return l1.m_tiles; }
+  // Slot s's rows: its expert, row0 and num_rows (the L1 tile of its first m-tile; the inverse
+  // of slot()). The last expert whose slots before it are <= s (empty experts share their
+  // successor's prefix).
+  MEGAMOE_SCHEDULE_FN TileInfo slot_info(int s) const {
+    const int first_tile = s * l1.m_tiles;
+    int lo = 0, hi = l1.num_experts;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (l1.prefix[mid] <= first_tile) lo = mid; else hi = mid;
+    }
+    return l1.get(l1.prefix[lo] + (s - l1.prefix[lo] / l1.m_tiles));
+  }
 };
 
 // Most slots a call can use: sum over E_l experts of ceil(rows_e / BLOCK_N) <= max_rows / BLOCK_N

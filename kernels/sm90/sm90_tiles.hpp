@@ -55,11 +55,11 @@ struct TileConfig {
     return mainloop == MainloopKind::kOverlap && operands == OperandKind::kBf16;
   }
   constexpr bool fp8() const { return operands == OperandKind::kE4m3; }
-  // Whether the MegaMoE kernel (kernels/sm90/sm90_mega_moe.cuh) can run this tile, exact mode:
-  // one math warpgroup that finishes its own tiles from registers (decode; a split-K tile splits
-  // either GEMM), or an overlapped prefill tile with a staged or asynchronous epilogue.
+  // Whether the MegaMoE kernel (kernels/sm90/sm90_mega_moe.cuh) can run this tile: one math
+  // warpgroup that finishes its own tiles from registers (decode; a split-K tile splits either
+  // GEMM), or an overlapped prefill tile with a staged or asynchronous epilogue (the FP8 tiles
+  // among them).
   constexpr bool mega_kernel() const {
-    if (fp8()) return false;
     return math_warpgroups == 1 ? epilogue == EpilogueKind::kRegisters
                                 : epilogue != EpilogueKind::kRegisters && mainloop == MainloopKind::kOverlap;
   }

@@ -104,9 +104,10 @@ const char* to_string(RowsHintMode mode) {
 void LayerConfig::validate() const {
   shape.validate();
   const sm90::TileRequest tile = sm90::parse_tile_request(sm90.gemm_tile);  // throws naming the valid tiles
-  MEGAMOE_CHECK_ARG(tile.mode != sm90::TileRequest::Mode::kForced || !sm90::tile_config(tile.tile).fp8(),
-                    "config: sm90.gemm_tile: '", sm90.gemm_tile, "' is an FP8-mode tile; the layer "
-                    "runs the exact mode (the FP8 mode exists in the GEMMs only, docs/numerics.md)");
+  MEGAMOE_CHECK_ARG(tile.mode != sm90::TileRequest::Mode::kForced ||
+                        !sm90::tile_config(tile.tile).fp8() || precision == Precision::kFp8,
+                    "config: sm90.gemm_tile: '", sm90.gemm_tile, "' is an FP8-mode tile, for the "
+                    "FP8 mode's calls; the layer runs the exact mode (precision exact)");
   MEGAMOE_CHECK_ARG(static_cast<unsigned>(precision) <= static_cast<unsigned>(Precision::kFp8),
                     "config: precision: expected exact or fp8, got value ",
                     static_cast<int>(precision));

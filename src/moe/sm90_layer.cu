@@ -207,6 +207,11 @@ void Sm90Layer::init_workspace() {
                   config_.shape.intermediate);
   }
   tile_ = parse_tile_request(config_.sm90.gemm_tile);
+  fp8_tile_ = TileRequest::automatic();
+  if (tile_.mode == TileRequest::Mode::kForced && tile_config(tile_.tile).fp8()) {
+    fp8_tile_ = tile_;  // forced on the FP8 mode's calls; the exact mode's take the policy
+    tile_ = TileRequest::automatic();
+  }
   programmatic_ = config_.sm90.programmatic_launch;
   device_ = cuda::current_device();
   weights_->check_matches(config_);
@@ -301,12 +306,12 @@ L1Args Sm90Layer::l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, b
   l1.h_act = view_.h_act;
   l1.split_k = view_.split_k;
   l1.tile = tile_;
-  if (fp8) {  // the FP8 policy's tile (config.sm90.gemm_tile names exact-mode tiles)
+  if (fp8) {  // the FP8 policy's tile, or a forced FP8 tile (config.sm90.gemm_tile)
     l1.act_fp8 = view_.act_fp8;
     l1.act_row_factor = view_.act_factor;
     l1.w13_row_exp = view_.w13_row_exp;
     l1.h_act = nullptr;  // the FP8 L2 reads h_fp8 (rebased from h_q / h_sf)
-    l1.tile = TileRequest::automatic();
+    l1.tile = fp8_tile_;
   }
   l1.programmatic = pdl;
   return l1;
@@ -335,7 +340,7 @@ L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, b
     l2.h_fp8 = view_.h_fp8;
     l2.h_row_factor = view_.h_factor;
     l2.w2_row_exp = view_.w2_row_exp;
-    l2.tile = TileRequest::automatic();
+    l2.tile = fp8_tile_;
   }
   l2.programmatic = pdl;
   return l2;
@@ -344,9 +349,11 @@ L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, b
 bool Sm90Layer::launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
                                    cudaStream_t stream, const int32_t* topk_idx,
                                    int64_t topk_slots) {
-  if (!config_.sm90.mega_kernel || fp8) return false;
-  return launch_mega(l1_args(rows_hint, per_expert_max, pdl, false, topk_idx, topk_slots),
-                     l2_args(rows_hint, per_expert_max, pdl), view_.mega, stream);
+  // (FP8 mode: the kernel also rebases L1's rows into L2's, the rebase launch between the
+  // chained GEMMs.)
+  if (!config_.sm90.mega_kernel) return false;
+  return launch_mega(l1_args(rows_hint, per_expert_max, pdl, fp8, topk_idx, topk_slots),
+                     l2_args(rows_hint, per_expert_max, pdl, fp8), view_.mega, stream);
 }
 
 void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,

@@ -164,7 +164,8 @@ class Sm90Layer {
   bool w13_small_scales_ = false;
   bool w2_small_scales_ = false;
   bool programmatic_ = true;
-  TileRequest tile_;
+  TileRequest tile_;      // the exact mode's calls
+  TileRequest fp8_tile_;  // the FP8 mode's: automatic, or a forced FP8 tile (config.sm90.gemm_tile)
   std::shared_ptr<EpGroup> ep_;        // null: one GPU (ep_size > 1 computes this rank's slice)
   volatile int32_t* error_flag_host_ = nullptr;  // mapped pinned host memory (DispatchParams)
   int32_t* error_flag_dev_ = nullptr;

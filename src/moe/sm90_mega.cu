@@ -44,7 +44,10 @@ int64_t mega_counters(int64_t max_rows, int num_experts) {
 }
 
 bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream) {
-  if (a1.act_fp8 != nullptr || a2.h_fp8 != nullptr) return false;  // the FP8 mode: chained
+  const bool fp8 = a1.act_fp8 != nullptr;
+  MEGAMOE_CHECK_ARG(fp8 == (a2.h_fp8 != nullptr),
+                    "launch_mega: the FP8 mode takes L1's act_fp8 and L2's h_fp8 together, got ",
+                    fp8 ? "act_fp8 without h_fp8" : "h_fp8 without act_fp8");
   TileQuery q;
   q.rows_hint = a1.rows_hint;
   q.max_rows = a1.max_rows;
@@ -58,11 +61,18 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
                     ws.split_counters != nullptr;
   q.split_counters_capacity = ws.split_counters_capacity;
   q.split_partial_floats = ws.split_partial_floats;
-  const MegaChoice choice = choose_mega_tile(q, a2.intermediate, a2.small_scales, a1.tile);
+  const MegaChoice choice = fp8 ? choose_mega_fp8_tile(q, a2.intermediate, a1.tile)
+                                : choose_mega_tile(q, a2.intermediate, a2.small_scales, a1.tile);
   if (!choice.fused) return false;
   MegaParams mp;
   mp.l1 = l1_params(a1);
   mp.l2 = l2_params(a2);
+  if (fp8) {
+    // The kernel writes L2's operand itself (its rebase units: launch_rebase_rows_e4m3 of
+    // L1's h_q / h_sf), which L2Args names as an input.
+    mp.h_fp8 = const_cast<uint8_t*>(a2.h_fp8);
+    mp.h_factor = const_cast<float*>(a2.h_row_factor);
+  }
   if (a1.max_rows == 0) return true;  // no rows can exist: nothing to run
   MEGAMOE_CHECK_ARG(a2.num_experts == a1.num_experts && a2.max_rows == a1.max_rows &&
                         a2.row_offsets == a1.row_offsets && a2.hidden == a1.hidden &&
@@ -92,7 +102,9 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
   mp.ready = ws.ready;
   mp.consumed = ws.consumed;
   mp.ready_capacity = static_cast<int>(std::min<int64_t>(ws.capacity, INT32_MAX));
-  kMegaLaunchers[mega_tile_index(choice.tile)](mp, a1.act, a2.h_act, stream);
+  kMegaLaunchers[mega_tile_index(choice.tile)](
+      mp, fp8 ? static_cast<const void*>(a1.act_fp8) : a1.act,
+      fp8 ? static_cast<const void*>(a2.h_fp8) : a2.h_act, stream);
   return true;
 }
 

@@ -33,7 +33,10 @@ int64_t mega_counters(int64_t max_rows, int num_experts);
 
 #if defined(MEGAMOE_WITH_CUDA)
 // One launch of both GEMMs when choose_mega_tile picks the MegaMoE kernel for this call (the
-// exact mode, decode-class rows per expert, small scales; l1.tile for both) and returns true;
+// exact mode, decode-class rows per expert, small scales; l1.tile for both), or, in the FP8 mode
+// (l1.act_fp8 and l2.h_fp8 given), choose_mega_fp8_tile does, and returns true; in the FP8 mode
+// the launch also writes l2.h_fp8 and l2.h_row_factor from L1's h_q / h_sf (what
+// launch_rebase_rows_e4m3 between the chained launches writes);
 // otherwise launches nothing and returns false (the caller runs launch_l1 then launch_l2). l1 and
 // l2 are the arguments the two launches would get (the same experts, rows and row_offsets;
 // l1.split_k.unit_counter is required; their split_k partials are not used: ws has the fused

@@ -33,6 +33,8 @@ void launch_mega_tile(const MegaParams& mp, const void* act, const void* h_act, 
                       "): tile ", Cfg::kTile.name, Cfg::kSupportsSplitK ? " takes 1 to 4 parts, at most the stages of K"
                                                                     : " runs unsplit (the split tiles are the *_splitk ones)");
   }
+  static_assert(mega_smem_bytes<Cfg>(kMaxLocalExperts) <= 227 * 1024,
+                "the MegaMoE kernel's shared memory exceeds sm_90's 227 KiB per block");
   const auto& dev = cuda::device_info();
   const size_t smem_max = mega_smem_bytes<Cfg>(kMaxLocalExperts);
   MEGAMOE_CHECK(static_cast<int64_t>(smem_max) <= dev.smem_per_block_optin,
@@ -40,9 +42,15 @@ void launch_mega_tile(const MegaParams& mp, const void* act, const void* h_act, 
                 smem_max, " bytes of shared memory per block, device allows ",
                 dev.smem_per_block_optin);
   cuda::raise_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_max);
+  MEGAMOE_CHECK_ARG(!Cfg::kFp8 || (mp.l1.w_row_exp != nullptr && mp.l1.b_row_factor != nullptr &&
+                                   mp.l2.w_row_exp != nullptr && mp.h_fp8 != nullptr &&
+                                   mp.h_factor != nullptr && mp.l2.b_row_factor == mp.h_factor),
+                    "sm90 MegaMoE kernel: FP8 tile ", Cfg::kTile.name, " needs both GEMMs' row "
+                    "exponents, L1's row factors and L2's E4M3 rows and factors");
   const int64_t rows = static_cast<int64_t>(mp.l1.max_rows) + kRowSlack;
-  const CUtensorMap map_act = make_rows_map(act, rows, mp.l1.k, Cfg::kBlockN, false);
-  const CUtensorMap map_h = make_rows_map(h_act, rows, mp.l2.k, Cfg::kBlockN, false);
+  // (FP8 tiles: E4M3 rows, act_fp8 and h_fp8; exact mode: BF16 act and h_act.)
+  const CUtensorMap map_act = make_rows_map(act, rows, mp.l1.k, Cfg::kBlockN, Cfg::kFp8);
+  const CUtensorMap map_h = make_rows_map(h_act, rows, mp.l2.k, Cfg::kBlockN, Cfg::kFp8);
   const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
   cuda::launch(kernel, grid, Cfg::kThreads, mega_smem_bytes<Cfg>(mp.l1.num_experts), stream,
                mp.l1.prefetch_before_wait != 0, map_act, map_h, mp);

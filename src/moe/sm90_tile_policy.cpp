@@ -39,6 +39,8 @@ constexpr double kThreeCtaMinGain = 1.1;
 // The MegaMoE kernel from 8 estimated rows of the launch on: with fewer (a few experts, each GEMM
 // split in up to 4 parts) it measured slower than the chain (docs/tuning-log.md v31).
 constexpr int64_t kMegaMinRows = 8;
+// The FP8 mode's calls fused by default (--mega; choose_mega_fp8_tile).
+constexpr bool kMegaFp8Auto = true;
 
 constexpr TileId kDecode128Tile = TileId::kDecode128x16K2Warp;
 constexpr TileId kSplitTile = TileId::kDecode128x16K2WarpSplitK;
@@ -207,7 +209,7 @@ bool mega_takes(TileId tile, int64_t l1_k, int64_t l2_k) {
 MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_scales,
                             const TileRequest& request) {
   if (request.mode == TileRequest::Mode::kForced) {
-    const bool built = mega_takes(request.tile, l1.k, l2_k);
+    const bool built = mega_takes(request.tile, l1.k, l2_k) && !tile_config(request.tile).fp8();
     if (!built || !l1.small_scales || !l2_small_scales) return {false, request.tile, 1, 1, "forced tile: chained"};
     return {true, request.tile, 1, 1, "forced tile, built for the MegaMoE kernel"};
   }
@@ -257,6 +259,24 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
   const TileId tile = fit_k(fit_k(base, l1.k), l2_k);
   return {true, tile, 1, 1, est.avg <= kDecode8MaxAvgRows ? "mega: <= 4 rows per expert, 128 x 8 tiles"
                                                        : "mega: <= 12 rows per expert, 128 x 16 tiles"};
+}
+
+MegaChoice choose_mega_fp8_tile(const TileQuery& l1, int64_t l2_k, const TileRequest& request) {
+  if (request.mode == TileRequest::Mode::kForced) {
+    const bool built = mega_takes(request.tile, l1.k, l2_k) && tile_config(request.tile).fp8();
+    return {built, request.tile, 1, 1, built ? "forced FP8 tile, built for the MegaMoE kernel"
+                                             : "forced tile: chained"};
+  }
+  const RowEstimate est = estimate_rows(l1.rows_hint, l1.max_rows, l1.num_experts);
+  const TileId tile = TileId::kFp8Prefill128x192K2Async;
+  if (est.avg > kFp8WideMinAvg) {
+    return {false, TileId::kFp8Prefill128x256K2Async, 1, 1,
+            "FP8 mode above 192 rows per expert: chained (128 x 256 is not built fused)"};
+  }
+  if (!kMegaFp8Auto || !mega_takes(tile, l1.k, l2_k)) {
+    return {false, tile, 1, 1, "FP8 mode: chained (the gated FP8 launches)"};
+  }
+  return {true, tile, 1, 1, "mega: FP8 mode, the FP8 plan's tile for both GEMMs"};
 }
 
 // kAuto splits only launches with at most half as many tiles as CTA slots.

@@ -121,8 +121,9 @@ inline constexpr TileId kMegaTiles[] = {
     TileId::kDecode128x16K1Warp,       TileId::kDecode128x16K2WarpSplitK,
     TileId::kDecode128x16K1WarpSplitK, TileId::kDecode128x8K4WarpSplitK,
     TileId::kPrefill128x192Async,      TileId::kPrefill256x64K2Async,
-    TileId::kPrefill256x128K2Staged,   TileId::kPrefill256x128K1Staged};
-constexpr int kNumMegaTiles = 12;
+    TileId::kPrefill256x128K2Staged,   TileId::kPrefill256x128K1Staged,
+    TileId::kFp8Prefill128x192K2Async, TileId::kFp8Prefill256x128K2Staged};
+constexpr int kNumMegaTiles = 14;
 constexpr int mega_tile_index(TileId id) {
   for (int i = 0; i < kNumMegaTiles; ++i) {
     if (kMegaTiles[i] == id) return i;
@@ -148,6 +149,13 @@ struct MegaChoice {
 };
 MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_scales,
                             const TileRequest& request);
+// The FP8 mode's (E4M3 rows; the kernel's rebase units turn L1's rows into L2's): a forced FP8
+// tile the kernel is built for runs fused; otherwise, up to kFp8WideMinAvg estimated rows per
+// expert, kMegaFp8Auto decides (measured, docs/tuning-log.md v32) for 128 x 192, the FP8 plan's
+// tile there, for both GEMMs; above, chained (128 x 256 is not built fused: its 128 accumulators
+// per thread leave the kernel short of registers, ptxas serializes its wgmmas). Exact-mode tiles
+// (forced) are chained.
+MegaChoice choose_mega_fp8_tile(const TileQuery& l1, int64_t l2_k, const TileRequest& request);
 
 // Split-K workspace the policy may use on a device of `sm_count` SMs: tiles that can be split
 // (counters) and FP32 partials (at most one unit per CTA slot of the split tile).

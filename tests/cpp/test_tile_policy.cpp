@@ -408,6 +408,50 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
   for (TileId id : sm90::kMegaTiles) EXPECT_TRUE(sm90::tile_config(id).mega_kernel()) << id;
 }
 
+// The FP8 mode's calls in the MegaMoE kernel (choose_mega_fp8_tile): 128 x 192 up to 192
+// estimated rows per expert, chained above (128 x 256 is not built fused); a forced FP8 tile the
+// kernel is built for runs fused, an exact-mode one (or 128 x 256) is chained, and the exact
+// mode's policy never fuses an FP8 tile.
+TEST(TilePolicy, MegaKernelTakesFp8Calls) {
+  auto query = [](const char* shape, int64_t tokens) {
+    const LayerShape s = shape_preset(shape);
+    sm90::TileQuery q;
+    q.rows_hint = tokens * s.top_k;
+    q.max_rows = 16384 * s.top_k;
+    q.num_experts = static_cast<int>(s.num_experts);
+    q.m_rows = 2 * s.intermediate;
+    q.k = s.hidden;
+    q.sm_count = kH200Sms;
+    q.small_scales = true;
+    q.unit_counter = true;
+    return q;
+  };
+  const auto automatic = sm90::TileRequest::automatic();
+  struct Case {
+    const char* shape;
+    int64_t tokens;
+    bool fused;
+  };
+  // Rows per expert: kimi-k3 73 / 146 / 293, deepseek-v3 128 / 256.
+  for (const Case& c : {Case{"kimi-k3", 4096, true}, Case{"kimi-k3", 8192, true},
+                        Case{"kimi-k3", 16384, false}, Case{"deepseek-v3", 4096, true},
+                        Case{"deepseek-v3", 8192, false}}) {
+    const LayerShape s = shape_preset(c.shape);
+    const sm90::MegaChoice m = sm90::choose_mega_fp8_tile(query(c.shape, c.tokens), s.intermediate, automatic);
+    EXPECT_EQ(m.fused, c.fused) << c.shape << " T=" << c.tokens << ": " << m.reason;
+    if (m.fused) EXPECT_EQ(m.tile, TileId::kFp8Prefill128x192K2Async) << c.shape << " T=" << c.tokens;
+  }
+  const sm90::TileQuery q = query("deepseek-v3", 8192);
+  const auto fp8_forced = [&](TileId id) { return sm90::choose_mega_fp8_tile(q, 2048, sm90::TileRequest::forced(id)); };
+  EXPECT_TRUE(fp8_forced(TileId::kFp8Prefill256x128K2Staged).fused);
+  EXPECT_EQ(fp8_forced(TileId::kFp8Prefill256x128K2Staged).tile, TileId::kFp8Prefill256x128K2Staged);
+  EXPECT_TRUE(fp8_forced(TileId::kFp8Prefill128x192K2Async).fused);
+  EXPECT_FALSE(fp8_forced(TileId::kFp8Prefill128x256K2Async).fused) << "not built fused";
+  EXPECT_FALSE(fp8_forced(TileId::kPrefill256x128K2Staged).fused) << "an exact-mode tile";
+  EXPECT_FALSE(sm90::choose_mega_tile(q, 2048, true, sm90::TileRequest::forced(TileId::kFp8Prefill256x128K2Staged)).fused)
+      << "an FP8 tile in the exact mode";
+}
+
 TEST(LayerOptions, TileAndRowsHintAreValidated) {
   LayerConfig c;
   c.shape = shape_preset("small");
@@ -419,11 +463,13 @@ TEST(LayerOptions, TileAndRowsHintAreValidated) {
   c.sm90.gemm_tile = "fp8_128x192_k2_async";  // an FP8-mode tile: the layer runs the exact mode
   try {
     c.validate();
-    ADD_FAILURE() << "an FP8-mode tile was accepted for the layer";
+    ADD_FAILURE() << "an FP8-mode tile was accepted for an exact-mode layer";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
     EXPECT_NE(std::string(e.what()).find("FP8-mode tile"), std::string::npos) << e.what();
   }
+  c.precision = Precision::kFp8;  // forced on the FP8 mode's calls
+  c.validate();
   EXPECT_EQ(parse_rows_hint_mode("bound"), RowsHintMode::kBound);
   EXPECT_STREQ(to_string(RowsHintMode::kExpected), "expected");
   EXPECT_THROW(parse_rows_hint_mode("upper"), Error);

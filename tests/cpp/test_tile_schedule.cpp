@@ -108,6 +108,12 @@ TEST(MegaSchedule, EachSlotHoldsOneExpertNTileOfBothGemms) {
     for (int s = 0; s < slots; ++s) {
       EXPECT_EQ(l1[static_cast<size_t>(s)], m.ready_target()) << "slot " << s;
       EXPECT_EQ(l2[static_cast<size_t>(s)], m.l2.m_tiles) << "slot " << s;
+      // slot_info (the FP8 rebase units' rows) inverts slot().
+      const TileInfo si = m.slot_info(s), &r = rows_of[static_cast<size_t>(s)];
+      EXPECT_EQ(si.expert, r.expert) << "slot " << s;
+      EXPECT_EQ(si.row0, r.row0) << "slot " << s;
+      EXPECT_EQ(si.num_rows, r.num_rows) << "slot " << s;
+      EXPECT_EQ(m.slot(si), s);
     }
   }
 }

@@ -127,6 +127,11 @@ TEST(Ep, VirtualRanksMegaKernelEqualOneGpu) {
                             "prefill_256x64_k2_async", Precision::kExact, true);
     expect_equal_to_one_gpu("small", 4, {100, 0, 257, 64}, routing, seed++,
                             "prefill_256x128_k2_staged", Precision::kExact, true);
+    // The FP8 mode, L1's rows rebased into L2's inside the kernel (forced FP8 tiles).
+    expect_equal_to_one_gpu("small", 2, {300, 513}, routing, seed++, "fp8_128x192_k2_async",
+                            Precision::kFp8, true);
+    expect_equal_to_one_gpu("small", 8, {64, 3, 0, 200, 7, 0, 1, 40}, routing, seed++,
+                            "fp8_256x128_k2_staged", Precision::kFp8, true);
   }
 }
 

@@ -154,12 +154,13 @@ struct LayerCase {
   std::string gemm_tile = "auto";          // LayerConfig::sm90.gemm_tile
   bool mega = false;                       // LayerConfig::sm90.mega_kernel
   bool decode_front = true;                // LayerConfig::sm90.decode_front
+  bool fp8 = false;                        // precision fp8 on every call (fp8_min_rows_per_expert 0)
   std::string describe() const {
     return shape + " ep " + std::to_string(ep_rank) + "/" + std::to_string(ep_size) + " T=" +
            std::to_string(tokens) + " routing=" + test::routing_name(routing) + " act=" +
            (activation.empty() ? "preset" : activation) + (fast_math ? " fast_math" : " exact_math") +
            (bias ? " bias" : "") + " empty=" + std::to_string(empty_fraction) + " tile=" + gemm_tile +
-           (mega ? " mega" : "") + (decode_front ? "" : " no_front");
+           (mega ? " mega" : "") + (decode_front ? "" : " no_front") + (fp8 ? " fp8" : "");
   }
 };
 
@@ -193,6 +194,10 @@ std::unique_ptr<Sm90Layer> make_layer(const LayerCase& c, LayerConfig* config_ou
   config.sm90.gemm_tile = c.gemm_tile;
   config.sm90.mega_kernel = c.mega;
   config.sm90.decode_front = c.decode_front;
+  if (c.fp8) {
+    config.precision = Precision::kFp8;
+    config.fp8_min_rows_per_expert = 0;
+  }
   *config_out = config;
   return std::make_unique<Sm90Layer>(config, &sd.prepared);
 }
@@ -408,8 +413,10 @@ TEST(Sm90Layer, Fp8ModeAgainstTheCpuFp8ModeAndTheIdeal) {
   const Case cases[] = {{64, 0, Routing::kUniform}, {513, 0, Routing::kSkewed},
                         {2048, 128, Routing::kUniform}};
   uint64_t seed = 900;
-  for (const Case& c : cases) {
+  for (const Case& c : cases)
+  for (bool mega : {false, true}) {  // the chain, and the MegaMoE kernel (its rebase inside)
     LayerConfig cfg;
+    cfg.sm90.mega_kernel = mega;
     cfg.shape = shape_preset("small");
     cfg.max_tokens_per_rank = kCapacity;
     cfg.precision = Precision::kFp8;
@@ -437,13 +444,13 @@ TEST(Sm90Layer, Fp8ModeAgainstTheCpuFp8ModeAndTheIdeal) {
     const DiffReport vs_cpu = compare_output(cfg, y.data(), cpu_fp8.data(), r.idx.data(), c.tokens);
     const DiffReport gpu_ideal = compare_output(cfg, y.data(), ideal.data(), r.idx.data(), c.tokens);
     const DiffReport exact_ideal = compare_output(cfg, y_exact.data(), ideal.data(), r.idx.data(), c.tokens);
-    std::printf("[ layer    ] fp8 small T=%lld: vs the CPU's FP8 mode diff %.2e (worst row %.2e); vs "
-                "ideal %.3e against the exact mode's %.3e (%.4fx)\n", (long long)c.tokens,
+    std::printf("[ layer    ] fp8%s small T=%lld: vs the CPU's FP8 mode diff %.2e (worst row %.2e); vs "
+                "ideal %.3e against the exact mode's %.3e (%.4fx)\n", mega ? " mega" : "", (long long)c.tokens,
                 vs_cpu.diff, vs_cpu.worst_row_diff, gpu_ideal.diff, exact_ideal.diff,
                 gpu_ideal.diff / exact_ideal.diff);
-    EXPECT_LE(vs_cpu.diff, 1e-4) << "T=" << c.tokens;
-    EXPECT_LE(gpu_ideal.diff, 1.5 * exact_ideal.diff) << "T=" << c.tokens;
-    seed++;
+    EXPECT_LE(vs_cpu.diff, 1e-4) << "T=" << c.tokens << (mega ? " mega" : "");
+    EXPECT_LE(gpu_ideal.diff, 1.5 * exact_ideal.diff) << "T=" << c.tokens << (mega ? " mega" : "");
+    if (mega) seed++;
   }
 }
 
@@ -1052,6 +1059,32 @@ TEST(Sm90Layer, MegaKernelEqualsTheChainBitForBit) {
   LayerCase ds = mega_case("deepseek-v3", 512);
   ds.gemm_tile = "prefill_256x64_k2_async";
   expect_mega_equals_chain(ds, seed++);
+}
+
+// The FP8 mode (its rebase of L1's rows inside the fused kernel) against the chain (L1, the
+// rebase launch, L2) on the same forced FP8 tile, bit for bit: one GPU and an EP8 rank's share,
+// experts over several n-tiles, skewed routing with empty slots.
+TEST(Sm90Layer, MegaKernelFp8EqualsTheChainBitForBit) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 3280;
+  for (const char* tile : {"fp8_128x192_k2_async", "fp8_256x128_k2_staged"}) {
+    for (int64_t t : {int64_t(8), int64_t(513), int64_t(2000)}) {
+      for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
+        LayerCase c = mega_case("small", t, routing);
+        c.gemm_tile = tile;
+        c.fp8 = true;
+        expect_mega_equals_chain(c, seed++);
+      }
+    }
+    LayerCase ds = mega_case("deepseek-v3", 1024);
+    ds.gemm_tile = tile;
+    ds.fp8 = true;
+    expect_mega_equals_chain(ds, seed++);
+    LayerCase kimi = mega_case("kimi-k3", 512, Routing::kSkewed, 8, 3);
+    kimi.gemm_tile = tile;
+    kimi.fp8 = true;
+    expect_mega_equals_chain(kimi, seed++);
+  }
 }
 
 // deepseek-v3 T = 1 by the policy: the chain and the fused kernel split L1 in the same two parts

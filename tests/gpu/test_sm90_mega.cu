@@ -18,6 +18,7 @@
 #include "megamoe/formats.hpp"
 #include "moe/sm90_gemm.hpp"
 #include "moe/sm90_mega.hpp"
+#include "moe/sm90_stages.hpp"
 #include "moe/sm90_tile_policy.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/cuda_device.hpp"
@@ -180,6 +181,83 @@ TEST(Sm90Mega, EqualsTheChainOnTheSameTileAndPartsBitForBit) {
   }
 }
 
+// The FP8 mode (E4M3 rows): the fused kernel's rebase units write L2's rows and factors from
+// L1's h_q / h_sf as the rebase launch between the chained GEMMs does; h_q, h_sf, h_fp8,
+// h_factor and out bit for bit against launch_l1, launch_rebase_rows_e4m3, launch_l2 on the same
+// tile, on the FP8 tiles the kernel is built for, with empty experts and experts over several n-tiles.
+TEST(Sm90Mega, Fp8EqualsTheChainOnTheSameTileBitForBit) {
+  MEGAMOE_REQUIRE_SM90();
+  const SplitWorkspace split(4096, int64_t(4096) * 2048);
+  MegaBuffers mega(kMaxRows, kMaxE);
+  constexpr int64_t slack_rows = kMaxRows + sm90::kRowSlack;
+  const std::vector<std::vector<int>> routings = {{1, 0, 1, 1, 0, 0, 1, 0},
+                                                  {40, 0, 17, 1, 64, 33, 0, 2},
+                                                  {200, 0, 130, 1, 181},
+                                                  std::vector<int>(kMaxE, 3)};
+  uint64_t seed = 4200;
+  for (const auto& counts : routings) {
+    const Problem p = make_problem(counts, seed);
+    const int64_t rows = p.host_offsets.back();
+    std::mt19937_64 rng(seed++);
+    std::vector<uint8_t> act8(static_cast<size_t>(slack_rows * kH));
+    for (auto& b : act8) {
+      do b = static_cast<uint8_t>(rng()); while ((b & 0x7F) == 0x7F);  // finite E4M3 codes
+    }
+    std::vector<float> factor(static_cast<size_t>(slack_rows));
+    for (float& f : factor) f = std::ldexp(1.0f, static_cast<int>(rng() % 6) - 3);
+    const Buffer d_act8 = to_device(act8), d_factor = to_device(factor);
+    Buffer w13_exp(int64_t(p.experts) * 2 * kI, Device::cuda()), w2_exp(int64_t(p.experts) * kH, Device::cuda());
+    sm90::weight_row_exponents(p.w13_sf.as<uint8_t>(), p.experts, 2 * kI, kH, w13_exp.as<uint8_t>(), nullptr);
+    sm90::weight_row_exponents(p.w2_sf.as<uint8_t>(), p.experts, kH, kI, w2_exp.as<uint8_t>(), nullptr);
+    for (const char* tile : {"fp8_128x192_k2_async", "fp8_256x128_k2_staged"}) {
+      const std::string what = std::string(tile) + " rows " + std::to_string(rows);
+      struct Fp8Out {
+        Outputs o;
+        Buffer h8{slack_rows * kI, Device::cuda()}, hf{slack_rows * 4, Device::cuda()};
+      } chain_out, mega_out;
+      auto args = [&](Fp8Out& out) {
+        Args a = make_args(p, out.o, tile, 1, 1, split.ws);
+        a.l1.act = nullptr;
+        a.l1.h_act = nullptr;
+        a.l1.act_fp8 = d_act8.as<uint8_t>();
+        a.l1.act_row_factor = d_factor.as<float>();
+        a.l1.w13_row_exp = w13_exp.as<uint8_t>();
+        a.l2.h_act = nullptr;
+        a.l2.h_fp8 = out.h8.as<uint8_t>();
+        a.l2.h_row_factor = out.hf.as<float>();
+        a.l2.w2_row_exp = w2_exp.as<uint8_t>();
+        return a;
+      };
+      auto poison = [](Fp8Out& out) {
+        out.o.poison();
+        MEGAMOE_CUDA_CHECK(cudaMemset(out.h8.data(), 0x7E, out.h8.size()));
+        MEGAMOE_CUDA_CHECK(cudaMemset(out.hf.data(), 0x7F, out.hf.size()));
+      };
+      poison(chain_out);
+      const Args chain = args(chain_out);
+      sm90::launch_l1(chain.l1, nullptr);
+      sm90::launch_rebase_rows_e4m3(chain.l1.h_q, chain.l1.h_sf, p.offsets.as<int32_t>(), nullptr,
+                                    p.experts, 0, kI, kMaxRows, chain_out.h8.as<uint8_t>(),
+                                    chain_out.hf.as<float>(), nullptr);
+      sm90::launch_l2(chain.l2, nullptr);
+      MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+      for (int call = 0; call < 2; ++call) {
+        const std::string at = what + " call " + std::to_string(call);
+        poison(mega_out);
+        const Args fused = args(mega_out);
+        ASSERT_TRUE(sm90::launch_mega(fused.l1, fused.l2, mega.ws, nullptr)) << at;
+        MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+        EXPECT_EQ(to_host<uint8_t>(mega_out.o.h_q, rows * kI), to_host<uint8_t>(chain_out.o.h_q, rows * kI)) << at << ": h_q";
+        EXPECT_EQ(to_host<uint8_t>(mega_out.o.h_sf, rows * kI / 32), to_host<uint8_t>(chain_out.o.h_sf, rows * kI / 32)) << at << ": h_sf";
+        EXPECT_EQ(to_host<uint8_t>(mega_out.h8, rows * kI), to_host<uint8_t>(chain_out.h8, rows * kI)) << at << ": h_fp8";
+        EXPECT_EQ(to_host<float>(mega_out.hf, rows), to_host<float>(chain_out.hf, rows)) << at << ": h_factor";
+        EXPECT_EQ(to_host<uint16_t>(mega_out.o.out, rows * kH), to_host<uint16_t>(chain_out.o.out, rows * kH)) << at << ": out";
+        EXPECT_TRUE(mega.all_zero()) << at << ": counters left set";
+      }
+    }
+  }
+}
+
 TEST(Sm90Mega, RefusalsNameWhatIsWrong) {
   MEGAMOE_REQUIRE_SM90();
   const SplitWorkspace split(64, 64 * 2048);
@@ -204,9 +282,13 @@ TEST(Sm90Mega, RefusalsNameWhatIsWrong) {
   sm90::SplitKWorkspace no_units = split.ws;
   no_units.unit_counter = nullptr;
   expect_error(make_args(p, o, "decode_128x16_k2_warp", 0, 0, no_units), mega.ws, "unit_counter");
-  // The FP8 mode and the tiles the kernel is not built for are chained: nothing launched.
+  // The FP8 mode needs both GEMMs' E4M3 rows; a forced exact-mode tile with FP8 rows, and the
+  // tiles the kernel is not built for, are chained: nothing launched.
   Args fp8 = make_args(p, o, "auto", 0, 0, split.ws);
   fp8.l1.act_fp8 = p.w13.as<uint8_t>();
+  expect_error(fp8, mega.ws, "act_fp8 without h_fp8");
+  fp8.l1.tile = sm90::parse_tile_request("prefill_256x128_k2_staged");
+  fp8.l2.h_fp8 = p.w13.as<uint8_t>();
   EXPECT_FALSE(sm90::launch_mega(fp8.l1, fp8.l2, mega.ws, nullptr));
   const Args serial = make_args(p, o, "serial_256x128", 0, 0, split.ws);
   EXPECT_FALSE(sm90::launch_mega(serial.l1, serial.l2, mega.ws, nullptr));
