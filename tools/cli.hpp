@@ -60,14 +60,16 @@ struct Sm90Flags {
   void add_to(CLI::App& app) {
     app.add_option("--tile", tile,
                    "GEMM tile: auto (the policy), serial (the policy over the serial-mainloop "
-                   "tiles) or a tile name (megamoe bench --list-tiles)")
+                   "tiles) or a tile name (megamoe bench --list-tiles; an fp8_* tile with "
+                   "--precision fp8 applies to the FP8 calls)")
         ->capture_default_str();
     app.add_flag("--no-pdl", no_pdl, "plain launches instead of programmatic dependent launch");
     app.add_flag("--mega", mega,
                  "the MegaMoE kernel: both expert GEMMs in one persistent launch for calls with "
                  "8 or more estimated rows and up to 12 rows per expert, and prefill calls on "
                  "the staged 256 x 128 tiles (exact mode; a forced tile it is built for runs "
-                 "fused); the chain otherwise");
+                 "fused, also the FP8 tiles fp8_128x192_k2_async and fp8_256x128_k2_staged); the "
+                 "chain otherwise");
     app.add_flag("--no-decode-front", no_decode_front,
                  "quantize, dispatch and gather as three launches also for decode calls "
                  "(T*K <= 1024 on one GPU, exact mode), where they are one by default");

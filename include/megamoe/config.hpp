@@ -63,9 +63,10 @@ struct Sm90Options {
   // launch, each L2 tile starting once the L1 tiles of its rows are written, for the exact-mode
   // calls with up to 12 routed rows per local expert on average and the prefill calls whose tile
   // is the staged 256 x 128 one (the other calls chain the two GEMM launches; a forced tile the
-  // kernel is built for runs fused); under expert parallelism the same launch also writes L2's
-  // rows into their source ranks' combine slots. The same results bit for bit as the chain on the
-  // same tile.
+  // kernel is built for runs fused, FP8 tiles included: the rebase of L1's rows into L2's then
+  // runs inside the launch); under expert parallelism the same launch also writes L2's rows into
+  // their source ranks' combine slots. The same results bit for bit as the chain on the same
+  // tile.
   bool mega_kernel = false;
   // Decode front: quantize, dispatch and gather of an exact-mode call on one GPU with T*K <= 1024
   // as one launch (kernels/sm90/sm90_decode_front.cuh) instead of three; the same workspace bit

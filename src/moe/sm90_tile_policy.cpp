@@ -39,8 +39,10 @@ constexpr double kThreeCtaMinGain = 1.1;
 // The MegaMoE kernel from 8 estimated rows of the launch on: with fewer (a few experts, each GEMM
 // split in up to 4 parts) it measured slower than the chain (docs/tuning-log.md v31).
 constexpr int64_t kMegaMinRows = 8;
-// The FP8 mode's calls fused by default (--mega; choose_mega_fp8_tile).
-constexpr bool kMegaFp8Auto = true;
+// The FP8 mode's calls fused by default (--mega; choose_mega_fp8_tile): no, its 128 x 192 tile
+// measured 0.90-0.94x the chain's speed fused (docs/tuning-log.md v32), as the exact mode's
+// asynchronous tiles do; forced FP8 tiles run fused.
+constexpr bool kMegaFp8Auto = false;
 
 constexpr TileId kDecode128Tile = TileId::kDecode128x16K2Warp;
 constexpr TileId kSplitTile = TileId::kDecode128x16K2WarpSplitK;

@@ -417,6 +417,7 @@ TEST(Sm90Layer, Fp8ModeAgainstTheCpuFp8ModeAndTheIdeal) {
   for (bool mega : {false, true}) {  // the chain, and the MegaMoE kernel (its rebase inside)
     LayerConfig cfg;
     cfg.sm90.mega_kernel = mega;
+    if (mega) cfg.sm90.gemm_tile = "fp8_128x192_k2_async";  // (the policy chains the FP8 mode)
     cfg.shape = shape_preset("small");
     cfg.max_tokens_per_rank = kCapacity;
     cfg.precision = Precision::kFp8;
@@ -438,6 +439,7 @@ TEST(Sm90Layer, Fp8ModeAgainstTheCpuFp8ModeAndTheIdeal) {
     reference_forward(cfg, host, x.data(), r.idx.data(), r.weights.data(), c.tokens, y_fp8.data());
     LayerConfig exact = cfg;
     exact.precision = Precision::kExact;
+    exact.sm90.gemm_tile = "auto";  // (an FP8 tile names the FP8 mode's calls only)
     reference_forward(exact, host, x.data(), r.idx.data(), r.weights.data(), c.tokens, y_exact.data());
     ideal_forward(cfg, host, x.data(), r.idx.data(), r.weights.data(), c.tokens, ideal.data());
     for (size_t i = 0; i < y_fp8.size(); ++i) cpu_fp8[i] = bf16_to_f32(y_fp8[i]);
