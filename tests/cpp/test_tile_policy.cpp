@@ -280,20 +280,24 @@ TEST(TilePolicy, DecodeWithoutWorkspace) {
 // The MegaMoE kernel's policy (choose_mega_tile): exact-mode calls with small scales; decode
 // classes on the decode tile that takes both K, prefill on L1's own tile where it takes both K;
 // everything else chained.
+// L1's query of a layer call on one H200 (small scales, a unit counter, no split workspace), for
+// the MegaMoE kernel's policy: `tokens` of `shape` on one GPU, a capacity of max_tokens.
+sm90::TileQuery mega_query(const char* shape, int64_t tokens, int64_t max_tokens = 8192) {
+  const LayerShape s = shape_preset(shape);
+  sm90::TileQuery q;
+  q.rows_hint = tokens * s.top_k;
+  q.max_rows = max_tokens * s.top_k;
+  q.num_experts = static_cast<int>(s.num_experts);
+  q.m_rows = 2 * s.intermediate;
+  q.k = s.hidden;
+  q.sm_count = kH200Sms;
+  q.small_scales = true;
+  q.unit_counter = true;
+  return q;
+}
+
 TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
-  auto query = [](const char* shape, int64_t tokens) {
-    const LayerShape s = shape_preset(shape);
-    sm90::TileQuery q;
-    q.rows_hint = tokens * s.top_k;
-    q.max_rows = 8192 * s.top_k;
-    q.num_experts = static_cast<int>(s.num_experts);
-    q.m_rows = 2 * s.intermediate;
-    q.k = s.hidden;
-    q.sm_count = kH200Sms;
-    q.small_scales = true;
-    q.unit_counter = true;
-    return q;
-  };
+  const auto query = [](const char* shape, int64_t tokens) { return mega_query(shape, tokens); };
   const auto automatic = sm90::TileRequest::automatic();
   struct Case {
     const char* shape;
@@ -413,19 +417,7 @@ TEST(TilePolicy, MegaKernelTakesDecodeAndPrefillCalls) {
 // FP8 tile the kernel is built for runs fused, an exact-mode one (or 128 x 256) is chained, and
 // the exact mode's policy never fuses an FP8 tile.
 TEST(TilePolicy, MegaKernelTakesFp8Calls) {
-  auto query = [](const char* shape, int64_t tokens) {
-    const LayerShape s = shape_preset(shape);
-    sm90::TileQuery q;
-    q.rows_hint = tokens * s.top_k;
-    q.max_rows = 16384 * s.top_k;
-    q.num_experts = static_cast<int>(s.num_experts);
-    q.m_rows = 2 * s.intermediate;
-    q.k = s.hidden;
-    q.sm_count = kH200Sms;
-    q.small_scales = true;
-    q.unit_counter = true;
-    return q;
-  };
+  const auto query = [](const char* shape, int64_t tokens) { return mega_query(shape, tokens, 16384); };
   const auto automatic = sm90::TileRequest::automatic();
   struct Case {
     const char* shape;
