@@ -3,12 +3,13 @@
 // as the L1 tiles of their rows are written, with per-slot ready counters instead of a launch
 // boundary.
 //
-// Work list (MegaSchedule, sm90_tile_schedule.hpp): L1's tiles, then L2's, over the same token-row
-// n-tiles; a slot is an (expert, n-tile). Every CTA's producer takes each of its units, the
-// first one included, from a counter in increasing order, so a unit is only ever taken by a
-// running CTA and every L1 tile is taken before any L2 tile: an L2 tile waits only on L1 tiles
-// that running CTAs will finish, whatever the residency (several virtual EP ranks' kernels, or
-// an EP kernel's waiting CTA, sharing the SMs).
+// Work list (MegaSchedule, sm90_tile_schedule.hpp): L1's tiles, then (FP8 mode) the rebase units,
+// then L2's tiles, over the same token-row n-tiles; a slot is an (expert, n-tile). Every CTA's
+// producer takes each of its units, the first one included, from a counter in increasing order,
+// so a unit is only ever taken by a running CTA and every L1 tile is taken before any rebase unit
+// and those before any L2 tile: a unit waits only on earlier units that running CTAs will finish,
+// whatever the residency (several virtual EP ranks' kernels, or an EP kernel's waiting CTA,
+// sharing the SMs).
 //
 // Roles (TileConfig::mega_kernel: the decode tiles' shape, one math warpgroup that finishes its
 // own tiles from registers and one producer warp, a split-K tile splitting either GEMM's tiles in
@@ -16,7 +17,9 @@
 // tile, two math warpgroups and a producer warpgroup with setmaxnreg, whose epilogue is staged in
 // the math warpgroups or, asynchronous, finished by the producer warpgroup's other warps):
 //   producer thread: per unit, its stages' weight copies and B boxes (L1: the gathered act rows,
-//                    L2: h_act). An L2 unit reads the slot's counter (ld.acquire.gpu); if the
+//                    L2: h_act; FP8 mode: act_fp8, h_fp8). A rebase unit (FP8 mode) waits for
+//                    its slot's L1 tiles and is named to the math warpgroups in a stage without
+//                    data (a plain arrival). An L2 unit reads the slot's counter (ld.acquire.gpu); if the
 //                    slot is not ready, it issues the weight copies of its first stages (they
 //                    depend on nothing, up to the pipeline's depth), then spins (nanosleep
 //                    back-off, the trap deadline of every wait in these kernels); then
@@ -28,7 +31,10 @@
 //                    parallelism out_rows, each row's source rank's combine slot, as the chained
 //                    L2 writes it). After an L1 tile, a barrier of the threads that stored its
 //                    rows, and one thread adds 1 to the slot's ready counter with release
-//                    semantics (red.release.gpu): the rows' stores are published.
+//                    semantics (red.release.gpu): the rows' stores are published. A rebase unit
+//                    (FP8 mode): 64 of its slot's rows of h_q / h_sf into L2's E4M3 rows and
+//                    factors (one warp per row), the same barrier and release add; L2's tiles
+//                    wait for L1's m-tiles plus the slot's rebase units.
 //   epilogue warps:  (asynchronous prefill tiles) each math warpgroup stages its blocks and names
 //                    the unit in shared memory (s_epi_unit) before its staging barrier; the
 //                    epilogue warps finish the blocks, hand the staging area back, and publish an
@@ -123,6 +129,8 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   constexpr int kBarRebase = kBarPublish + 1;
   constexpr int kRebaseUnitsPerSlot = mega_rebase_units_per_slot<Cfg>();
   static_assert(kBarRebase <= 15, "named barriers 0..15");
+  static_assert(!Cfg::kFp8 || !Cfg::kSupportsSplitK,
+                "the split-K partials are sized for the GEMMs' units, not the rebase units");
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kNumStages; ++s) {
@@ -158,8 +166,9 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   const MegaSchedule<Cfg::kBlockN, Cfg::kMBlocksPerCta> ms{
       {s_offsets, s_prefix1, num_experts, m_blocks1, m_tiles1},
       {s_offsets, s_prefix2, num_experts, m_blocks2, m_tiles2}};
-  // Units: L1 tile t's K parts t * s1 + sp, then L2 tile t's parts U1 + t * s2 + sp (U1 = N1 s1
-  // units of L1). A part covers stages [sp S / s, (sp + 1) S / s) of the S stages of K. Split
+  // Units: L1 tile t's K parts t * s1 + sp, then (FP8 mode) the rebase units, then L2 tile t's
+  // parts l2_first + t * s2 + sp (below). A part covers stages [sp S / s, (sp + 1) S / s) of the S
+  // stages of K. Split
   // tiles only, and only where the workspace (mp.l1.split_*) holds both GEMMs' parts and
   // counters (L1's tiles first); otherwise unsplit (the same answer in every CTA).
   int splits1 = 1, splits2 = 1;
@@ -398,9 +407,10 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
                                                   phase, rx);
       });
       if constexpr (Cfg::kFp8) {
-        // L2's row factors were written by this launch's rebase units: read through L2, after
-        // the unit's B rows, which the producer loaded only once it had acquired the slot's
-        // count (the count itself may be reset by then: the slot's last L2 tile past its wait).
+        // L2's row factors were written by this launch's rebase units: read through L2 (not the
+        // read-only path), after the unit's B rows arrived, which the producer loaded only once
+        // it had acquired the slot's count. (Ordered by that TMA completion rather than by an
+        // acquire of this thread: the count may be reset by then, by the slot's last L2 tile.)
         fp8_apply_row_factors<Cfg, true>(gp, tile, rx, acc, tid);
       }
       if constexpr (Cfg::kSupportsSplitK) {

@@ -351,9 +351,10 @@ bool Sm90Layer::launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bo
                                    int64_t topk_slots) {
   // (FP8 mode: the kernel also rebases L1's rows into L2's, the rebase launch between the
   // chained GEMMs.)
-  if (!config_.sm90.mega_kernel) return false;
-  return launch_mega(l1_args(rows_hint, per_expert_max, pdl, fp8, topk_idx, topk_slots),
-                     l2_args(rows_hint, per_expert_max, pdl, fp8), view_.mega, stream);
+  last_gemms_fused_ = config_.sm90.mega_kernel &&
+                     launch_mega(l1_args(rows_hint, per_expert_max, pdl, fp8, topk_idx, topk_slots),
+                                 l2_args(rows_hint, per_expert_max, pdl, fp8), view_.mega, stream);
+  return last_gemms_fused_;
 }
 
 void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,

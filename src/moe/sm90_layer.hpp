@@ -122,8 +122,12 @@ class Sm90Layer {
   // same bit for bit. Starts as config.sm90.programmatic_launch.
   void set_programmatic_launch(bool on) { programmatic_ = on; }
   bool programmatic_launch() const { return programmatic_; }
-  // The GEMM tile request of config.sm90.gemm_tile.
+  // The exact mode's GEMM tile request (config.sm90.gemm_tile; automatic when that names an FP8
+  // tile, which applies to the FP8 mode's calls).
   const TileRequest& tile_request() const { return tile_; }
+  // Whether the last call's two GEMMs ran in the MegaMoE kernel (launch_mega), for tests and
+  // benchmarks that compare it with the chain.
+  bool last_gemms_fused() const { return last_gemms_fused_; }
 
   const LayerConfig& config() const { return config_; }
   const MoeWeights& weights() const { return *weights_; }
@@ -166,6 +170,7 @@ class Sm90Layer {
   bool programmatic_ = true;
   TileRequest tile_;      // the exact mode's calls
   TileRequest fp8_tile_;  // the FP8 mode's: automatic, or a forced FP8 tile (config.sm90.gemm_tile)
+  bool last_gemms_fused_ = false;
   std::shared_ptr<EpGroup> ep_;        // null: one GPU (ep_size > 1 computes this rank's slice)
   volatile int32_t* error_flag_host_ = nullptr;  // mapped pinned host memory (DispatchParams)
   int32_t* error_flag_dev_ = nullptr;

@@ -44,9 +44,15 @@ void launch_mega_tile(const MegaParams& mp, const void* act, const void* h_act, 
   cuda::raise_max_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_max);
   MEGAMOE_CHECK_ARG(!Cfg::kFp8 || (mp.l1.w_row_exp != nullptr && mp.l1.b_row_factor != nullptr &&
                                    mp.l2.w_row_exp != nullptr && mp.h_fp8 != nullptr &&
-                                   mp.h_factor != nullptr && mp.l2.b_row_factor == mp.h_factor),
+                                   mp.h_factor != nullptr),
                     "sm90 MegaMoE kernel: FP8 tile ", Cfg::kTile.name, " needs both GEMMs' row "
                     "exponents, L1's row factors and L2's E4M3 rows and factors");
+  // The rebase units read h_q and write h_fp8 16 bytes at a time (as launch_rebase_rows_e4m3).
+  MEGAMOE_CHECK_ARG(!Cfg::kFp8 || (reinterpret_cast<uintptr_t>(mp.l1.h_q) % 16 == 0 &&
+                                   reinterpret_cast<uintptr_t>(mp.h_fp8) % 16 == 0),
+                    "sm90 MegaMoE kernel: FP8 mode: h_q / h_fp8: expected 16-byte aligned "
+                    "pointers, got ", static_cast<const void*>(mp.l1.h_q), " / ",
+                    static_cast<const void*>(mp.h_fp8));
   const int64_t rows = static_cast<int64_t>(mp.l1.max_rows) + kRowSlack;
   // (FP8 tiles: E4M3 rows, act_fp8 and h_fp8; exact mode: BF16 act and h_act.)
   const CUtensorMap map_act = make_rows_map(act, rows, mp.l1.k, Cfg::kBlockN, Cfg::kFp8);

@@ -154,7 +154,8 @@ struct LayerCase {
   std::string gemm_tile = "auto";          // LayerConfig::sm90.gemm_tile
   bool mega = false;                       // LayerConfig::sm90.mega_kernel
   bool decode_front = true;                // LayerConfig::sm90.decode_front
-  bool fp8 = false;                        // precision fp8 on every call (fp8_min_rows_per_expert 0)
+  bool fp8 = false;                        // precision fp8 (from fp8_min_rows rows per expert)
+  int64_t fp8_min_rows = 0;                // LayerConfig::fp8_min_rows_per_expert with fp8
   std::string describe() const {
     return shape + " ep " + std::to_string(ep_rank) + "/" + std::to_string(ep_size) + " T=" +
            std::to_string(tokens) + " routing=" + test::routing_name(routing) + " act=" +
@@ -196,7 +197,7 @@ std::unique_ptr<Sm90Layer> make_layer(const LayerCase& c, LayerConfig* config_ou
   config.sm90.decode_front = c.decode_front;
   if (c.fp8) {
     config.precision = Precision::kFp8;
-    config.fp8_min_rows_per_expert = 0;
+    config.fp8_min_rows_per_expert = c.fp8_min_rows;
   }
   *config_out = config;
   return std::make_unique<Sm90Layer>(config, &sd.prepared);
@@ -433,6 +434,7 @@ TEST(Sm90Layer, Fp8ModeAgainstTheCpuFp8ModeAndTheIdeal) {
     DeviceArray<float> dw(r.weights);
     layer.forward(dx.get(), didx.get(), dw.get(), c.tokens, dy.get(), nullptr);
     MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(layer.last_gemms_fused(), mega) << "T=" << c.tokens;
     const auto y = dy.download();
     std::vector<uint16_t> y_fp8(x.size()), y_exact(x.size());
     std::vector<double> ideal(x.size()), cpu_fp8(x.size());
@@ -1002,8 +1004,10 @@ void expect_mega_equals_chain(LayerCase c, uint64_t seed, bool y_too = true) {
     return download_run(layer, t, dy);
   };
   const LayerRun want = run(*chain);
+  EXPECT_FALSE(chain->last_gemms_fused());
   for (int call = 0; call < 2; ++call) {
     const LayerRun got = run(*mega);
+    EXPECT_TRUE(mega->last_gemms_fused()) << "call " << call << ": the MegaMoE kernel did not run";
     EXPECT_EQ(got.h_q, want.h_q) << "call " << call << ": h_q differs from the chain";
     EXPECT_EQ(got.h_sf, want.h_sf) << "call " << call << ": h_sf differs from the chain";
     int64_t differ = 0;
@@ -1087,6 +1091,14 @@ TEST(Sm90Layer, MegaKernelFp8EqualsTheChainBitForBit) {
     kimi.fp8 = true;
     expect_mega_equals_chain(kimi, seed++);
   }
+  // An exact-mode call of that layer (below fp8_min_rows): the forced FP8 tile does not apply,
+  // the exact mode's policy does (deepseek-v3 T = 1: L1 split in the same two parts as the
+  // chain's, MegaKernelSplitsL1AsTheChain; y is compared there against the reference).
+  LayerCase exact_call = mega_case("deepseek-v3", 1);
+  exact_call.gemm_tile = "fp8_128x192_k2_async";
+  exact_call.fp8 = true;
+  exact_call.fp8_min_rows = 128;
+  expect_mega_equals_chain(exact_call, seed++, false);
 }
 
 // deepseek-v3 T = 1 by the policy: the chain and the fused kernel split L1 in the same two parts
