@@ -209,27 +209,37 @@ TEST(MegaSchedule, SimulationCatchesAnOrderThatDeadlocks) {
 // one unit ahead of its math (the pipeline); a math that ends each unit after a few steps, an L1
 // tile's last part adding one to its slot's ready count. At most `resident` CTAs run at once (the
 // others start as running ones exit: SMs shared with other kernels); `launches` launches run at
-// once on the same counters (the layer runs one). The outcome: a deadlock, an L2 unit past its
-// wait before every L1 tile of its slot has ended, counters not all zero at the end, or none.
+// once on the same counters (the layer runs one). FP8 mode (`rebase` > 0): between L1's and L2's
+// units, `rebase` rebase units per slot, whose producer waits for the slot's L1 tiles and whose
+// math adds one to the slot's ready count; L2 units then wait for L1's m-tiles plus the rebase
+// units (`l2_skips_rebase`: only for L1's, the bug the check must catch). The outcome: a
+// deadlock, an L2 unit past its wait before every L1 tile (and rebase unit) of its slot has
+// ended, counters not all zero at the end, or none.
 struct KernelRun {
   int s1 = 1, s2 = 1, grid = 8, resident = 8, launches = 1;
   bool fixed_first = false;
+  int rebase = 0;
+  bool l2_skips_rebase = false;
 };
 enum class Outcome { kOk, kDeadlock, kEarlyPass, kCountersLeftSet };
 Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
   std::mt19937 rng(seed);
   const int slots = m.num_slots();
   const int u1 = m.l1_tiles() * k.s1;
-  const int units = u1 + m.l2.total_tiles() * k.s2;
+  const int l2_first = u1 + slots * k.rebase;
+  const int units = l2_first + m.l2.total_tiles() * k.s2;
+  const int l2_target = m.ready_target() + (k.l2_skips_rebase ? 0 : k.rebase);
   std::vector<int> ready(static_cast<size_t>(slots), 0), consumed(ready.size(), 0);
   struct Launch {
     int counter = 0, exited = 0;
-    std::vector<int> parts_arrived, l1_ended;  // per L1 tile; per slot (for the check)
+    // per L1 tile; per slot (for the checks)
+    std::vector<int> parts_arrived, l1_ended, rebase_ended;
   };
   std::vector<Launch> launches(static_cast<size_t>(k.launches));
   for (Launch& l : launches) {
     l.parts_arrived.assign(static_cast<size_t>(m.l1_tiles()), 0);
     l.l1_ended.assign(static_cast<size_t>(slots), 0);
+    l.rebase_ended.assign(static_cast<size_t>(slots), 0);
   }
   struct Cta {
     int launch = 0, b = 0;
@@ -248,7 +258,11 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
   std::shuffle(start_order.begin(), start_order.end(), rng);
   size_t next_start = 0;
   int running = 0;
-  auto slot_of = [&](int u) { return m.slot(m.get(u < u1 ? u / k.s1 : (u - u1) / k.s2 + m.l1_tiles())); };
+  auto is_rebase = [&](int u) { return u >= u1 && u < l2_first; };
+  auto slot_of = [&](int u) {
+    if (is_rebase(u)) return (u - u1) / k.rebase;
+    return m.slot(m.get(u < u1 ? u / k.s1 : (u - l2_first) / k.s2 + m.l1_tiles()));
+  };
   auto take = [&](Cta& c) {
     Launch& l = launches[static_cast<size_t>(c.launch)];
     if (k.fixed_first && !c.first_taken) {
@@ -282,10 +296,17 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
         } else if (c.produced < u1) {
           c.queue.push_back(c.produced);
           c.produced = -1;
-        } else if (!c.passed) {
+        } else if (is_rebase(c.produced)) {
           const size_t s = static_cast<size_t>(slot_of(c.produced));
           if (ready[s] >= m.ready_target()) {
             if (l.l1_ended[s] != m.ready_target()) early = true;
+            c.passed = true;
+            progress = true;
+          }
+        } else if (!c.passed) {
+          const size_t s = static_cast<size_t>(slot_of(c.produced));
+          if (ready[s] >= l2_target) {
+            if (l.l1_ended[s] != m.ready_target() || l.rebase_ended[s] != k.rebase) early = true;
             c.passed = true;
             progress = true;
             if (++consumed[s] == m.l2.m_tiles * k.s2) ready[s] = consumed[s] = 0;
@@ -311,6 +332,10 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
               ++ready[s];
               ++l.l1_ended[s];
             }
+          } else if (is_rebase(u)) {
+            const size_t s = static_cast<size_t>(slot_of(u));
+            ++ready[s];
+            ++l.rebase_ended[s];
           }
         }
       }
@@ -341,6 +366,29 @@ TEST(MegaSchedule, KernelProtocolCompletesWithPartsAndFewResidentCtas) {
           << " resident " << k.resident;
     }
   }
+}
+
+// The FP8 mode's rebase units between L1's and L2's units (3 per slot as fp8_128x192, 2 as the
+// staged FP8 tile), with few resident CTAs: no deadlock, no L2 tile before its slot's rows are
+// rebased, counters zero; and an L2 wait that ignored the rebase units is caught.
+TEST(MegaSchedule, KernelProtocolWithRebaseUnitsCompletesAndCatchesAnEarlyL2) {
+  int caught = 0;
+  for (uint32_t seed = 1; seed <= 10; ++seed) {
+    const Problem p = make_problem(3 + static_cast<int>(seed % 11), 6, 5, seed);
+    const Mega m = p.mega();
+    for (KernelRun k : {KernelRun{1, 1, 8, 8}, KernelRun{1, 1, 16, 3}, KernelRun{1, 1, 132, 40},
+                        KernelRun{1, 1, 64, 1}}) {
+      for (int rebase : {2, 3}) {
+        k.rebase = rebase;
+        EXPECT_EQ(simulate_kernel(m, k, seed * 31 + static_cast<uint32_t>(k.grid + rebase)), Outcome::kOk)
+            << "seed " << seed << " grid " << k.grid << " resident " << k.resident << " rebase " << rebase;
+        k.l2_skips_rebase = true;
+        caught += simulate_kernel(m, k, seed * 31 + static_cast<uint32_t>(k.grid)) == Outcome::kEarlyPass;
+        k.l2_skips_rebase = false;
+      }
+    }
+  }
+  EXPECT_GT(caught, 0) << "an L2 wait that skips the rebase units never passed early";
 }
 
 // The two hazards the kernel's rules avoid: a first unit fixed per CTA (as the decode GEMMs' static
