@@ -361,6 +361,12 @@ def test_hopper_options_are_layer_options():
         megamoe.LayerConfig("small", gemm_tile="decode")  # names the tiles it accepts
     with pytest.raises(megamoe.InvalidArgumentError, match="gated, bound or expected"):
         megamoe.LayerConfig("small", rows_hint="upper")
+    # An FP8-mode tile names the tile of the FP8 mode's calls: with precision fp8 only.
+    with pytest.raises(megamoe.InvalidArgumentError, match="FP8-mode tile"):
+        megamoe.LayerConfig("small", gemm_tile="fp8_128x192_k2_async")
+    fp8 = megamoe.LayerConfig("small", gemm_tile="fp8_128x192_k2_async", precision="fp8",
+                              mega_kernel=True)
+    assert (fp8.gemm_tile, fp8.precision, fp8.mega_kernel) == ("fp8_128x192_k2_async", "fp8", True)
     # A CPU layer takes them (they only concern the Hopper backend) and has nothing to check.
     layer = megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, 1), backend="cpu")
     layer.check_errors()
