@@ -39,10 +39,6 @@ constexpr double kThreeCtaMinGain = 1.1;
 // The MegaMoE kernel from 8 estimated rows of the launch on: with fewer (a few experts, each GEMM
 // split in up to 4 parts) it measured slower than the chain (docs/tuning-log.md v31).
 constexpr int64_t kMegaMinRows = 8;
-// The FP8 mode's calls fused by default (--mega; choose_mega_fp8_tile): no, its 128 x 192 tile
-// measured 0.90-0.94x the chain's speed fused (docs/tuning-log.md v32), as the exact mode's
-// asynchronous tiles do; forced FP8 tiles run fused.
-constexpr bool kMegaFp8Auto = false;
 
 constexpr TileId kDecode128Tile = TileId::kDecode128x16K2Warp;
 constexpr TileId kSplitTile = TileId::kDecode128x16K2WarpSplitK;
@@ -269,16 +265,11 @@ MegaChoice choose_mega_fp8_tile(const TileQuery& l1, int64_t l2_k, const TileReq
     return {built, request.tile, 1, 1, built ? "forced FP8 tile, built for the MegaMoE kernel"
                                              : "forced tile: chained"};
   }
-  const RowEstimate est = estimate_rows(l1.rows_hint, l1.max_rows, l1.num_experts);
-  const TileId tile = TileId::kFp8Prefill128x192K2Async;
-  if (est.avg > kFp8WideMinAvg) {
-    return {false, TileId::kFp8Prefill128x256K2Async, 1, 1,
-            "FP8 mode above 192 rows per expert: chained (128 x 256 is not built fused)"};
-  }
-  if (!kMegaFp8Auto || !mega_takes(tile, l1.k, l2_k)) {
-    return {false, tile, 1, 1, "FP8 mode: chained (the gated FP8 launches)"};
-  }
-  return {true, tile, 1, 1, "mega: FP8 mode, the FP8 plan's tile for both GEMMs"};
+  // Not fused by the policy: the FP8 plan's 128 x 192 tile measured slower fused than chained,
+  // like the exact mode's asynchronous tiles, and 128 x 256 is not built fused
+  // (docs/tuning-log.md v32).
+  return {false, TileId::kFp8Prefill128x192K2Async, 1, 1,
+          "FP8 mode: chained (the gated FP8 launches; fused measured slower)"};
 }
 
 // kAuto splits only launches with at most half as many tiles as CTA slots.

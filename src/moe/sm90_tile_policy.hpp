@@ -151,10 +151,10 @@ MegaChoice choose_mega_tile(const TileQuery& l1, int64_t l2_k, bool l2_small_sca
                             const TileRequest& request);
 // The FP8 mode's (E4M3 rows; the kernel's rebase units turn L1's rows into L2's): a forced FP8
 // tile the kernel is built for (128 x 192, 256 x 128 staged) runs fused; otherwise chained: the
-// FP8 plan's tile up to kFp8WideMinAvg rows per expert, 128 x 192, measured 0.90-0.94x the
-// chain's speed fused (docs/tuning-log.md v32; kMegaFp8Auto), and 128 x 256 above is not built
-// fused (its 128 accumulators per thread leave the kernel short of registers: ptxas serializes
-// its wgmmas). Exact-mode tiles (forced) are chained.
+// FP8 plan's tile up to kFp8WideMinAvg rows per expert, 128 x 192, measured slower fused than
+// chained (docs/tuning-log.md v32), and 128 x 256 above is not built fused (its 128 accumulators
+// per thread leave the kernel short of registers: ptxas serializes its wgmmas). Exact-mode
+// tiles (forced) are chained.
 MegaChoice choose_mega_fp8_tile(const TileQuery& l1, int64_t l2_k, const TileRequest& request);
 
 // Split-K workspace the policy may use on a device of `sm_count` SMs: tiles that can be split
