@@ -22,6 +22,7 @@
 
 #include <cstdint>
 
+#include "ep/ep_device.cuh"
 #include "ep/ep_protocol.hpp"
 #include "ptx/sm90_ptx.cuh"
 #include "sm90/sm90_dispatch_sort.cuh"
@@ -29,24 +30,6 @@
 
 namespace megamoe::ep {
 
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t global_time_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-template <class T>
-__device__ __forceinline__ T* region(uint8_t* base, int64_t offset) {
-  return reinterpret_cast<T*>(base + offset);
-}
 __device__ __forceinline__ EpLocal* local_state(const EpParams& p) {
   return region<EpLocal>(p.peers[p.rank], p.layout.local);
 }
@@ -63,19 +46,7 @@ __device__ __forceinline__ uint16_t* combine_row(const EpParams& p, int32_t plac
 // Records the window's first error (later ones only count) and raises the host-visible flag.
 __device__ inline void record_error(const EpParams& p, StatusCode code, Stage stage, int32_t peer,
                                     uint64_t expected, uint64_t observed) {
-  EpStatus* st = &local_state(p)->status;
-  if (atomicCAS(&st->code, 0, static_cast<int32_t>(code)) == 0) {
-    st->stage = static_cast<int32_t>(stage);
-    st->peer = peer;
-    st->expected = expected;
-    st->observed = observed;
-  }
-  atomicAdd(&st->count, 1);
-  if (code == StatusCode::kTimeout) atomicExch(&local_state(p)->broken, 1u);
-  if (p.error_flag != nullptr) {
-    __threadfence_system();
-    *reinterpret_cast<volatile int32_t*>(p.error_flag) = 1;
-  }
+  record_error_at(local_state(p), p.error_flag, code, stage, peer, expected, observed);
 }
 
 // Waits until `*sig` carries call number `call`; returns its payload, or 0 (and records
@@ -177,27 +148,49 @@ __device__ __forceinline__ int32_t send_slot(const EpParams& p, const SendArgs& 
   return id;
 }
 
+// The ranks owning an expert of this rank's token t (bit d: rank d), from its slots as send_slot
+// wrote them: by the 32 lanes of a warp, every lane gets the mask.
+__device__ inline uint64_t token_owners(const EpParams& p, const SendArgs& a, int64_t t,
+                                        bool write_slots) {
+  const int64_t K = p.layout.top_k;
+  const int lane = threadIdx.x % 32;
+  uint64_t mask = 0;
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    const int64_t k = k0 + lane;
+    if (k >= K) continue;
+    int32_t id;
+    if (write_slots) {
+      id = send_slot(p, a, t, k);
+    } else {  // the validity send_slot applied (it recorded the invalid ids)
+      id = __ldg(a.topk_idx + t * K + k);
+      if (id >= p.num_experts) id = -1;
+    }
+    if (id >= 0) mask |= 1ull << (id / p.num_local);
+  }
+  const uint32_t lo = __reduce_or_sync(0xFFFFFFFFu, static_cast<uint32_t>(mask));
+  const uint32_t hi = __reduce_or_sync(0xFFFFFFFFu, static_cast<uint32_t>(mask >> 32));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
 // Tokens warp, warp + num_warps, ... of this rank (ep_send: calls above kFusedSendMaxTokens), one
-// warp each: the token's slots (send_slot), then its row and scales into rank d's recv_xq/recv_sf
-// when d owns one of its experts (once per rank, not per expert).
-__device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t warp,
-                                   int64_t num_warps) {
+// warp each: the token's slots (send_slot) into every rank's recv_idx / recv_w.
+__device__ inline void send_token_slots(const EpParams& p, const SendArgs& a, int64_t warp,
+                                        int64_t num_warps) {
+  for (int64_t t = warp; t < p.num_tokens; t += num_warps) (void)token_owners(p, a, t, true);
+}
+
+// The same tokens' rows and scales into rank d's recv_xq / recv_sf when d owns one of their
+// experts (once per rank, not per expert), each followed by its arrival word there:
+// recv_flag[rank][t] = call, a release at system scope by lane 0 after the warp's stores (the
+// warp barrier orders the other lanes' stores before it; the release is cumulative).
+__device__ inline void send_token_rows(const EpParams& p, const SendArgs& a, int64_t warp,
+                                       int64_t num_warps, uint64_t call) {
   const WindowLayout& L = p.layout;
   const int lane = threadIdx.x % 32;
-  const int64_t K = L.top_k, H = L.hidden, sf_row = H / 32;
+  const int64_t H = L.hidden, sf_row = H / 32;
   const int64_t src_token0 = static_cast<int64_t>(p.rank) * L.t_max;  // our rows in peers' recv
   for (int64_t t = warp; t < p.num_tokens; t += num_warps) {
-    uint64_t mask = 0;
-    for (int64_t k0 = 0; k0 < K; k0 += 32) {
-      const int64_t k = k0 + lane;
-      if (k < K) {
-        const int32_t id = send_slot(p, a, t, k);
-        if (id >= 0) mask |= 1ull << (id / p.num_local);
-      }
-    }
-    const uint32_t lo = __reduce_or_sync(0xFFFFFFFFu, static_cast<uint32_t>(mask));
-    const uint32_t hi = __reduce_or_sync(0xFFFFFFFFu, static_cast<uint32_t>(mask >> 32));
-    mask = (static_cast<uint64_t>(hi) << 32) | lo;
+    uint64_t mask = token_owners(p, a, t, false);
     const uint4* row = reinterpret_cast<const uint4*>(a.x_q + t * H);
     const uint8_t* sf = a.x_sf + t * sf_row;
     while (mask != 0) {
@@ -208,6 +201,8 @@ __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t
       warp_copy<kCopyBatch>(dst, row, H / 16, lane);
       uint8_t* dst_sf = region<uint8_t>(p.peers[d], L.recv_sf) + (src_token0 + t) * sf_row;
       warp_copy<kCopyBatch>(dst_sf, sf, sf_row, lane);
+      __syncwarp();
+      if (lane == 0) st_release_sys(region<uint64_t>(p.peers[d], L.recv_flag) + src_token0 + t, call);
     }
   }
 }
@@ -220,7 +215,7 @@ __device__ inline void send_tokens(const EpParams& p, const SendArgs& a, int64_t
 // every row to its owners, two dependent passes and a launch before the send's signal; here the
 // token's CTA quantizes and stores once per owner (docs/tuning-log.md v28).
 __device__ inline void quantize_send_token(const EpParams& p, const SendArgs& a, int64_t t,
-                                           unsigned long long* s_mask) {
+                                           uint64_t call, unsigned long long* s_mask) {
   const WindowLayout& L = p.layout;
   const int64_t K = L.top_k, H = L.hidden, sf_row = H / kScaleBlock;
   const int64_t at = static_cast<int64_t>(p.rank) * L.t_max + t;  // our row in peers' recv
@@ -253,10 +248,19 @@ __device__ inline void quantize_send_token(const EpParams& p, const SendArgs& a,
             static_cast<uint8_t>(b);
     }
   }
+  // The token's arrival word on every owner (recv_flag, as send_token_rows): the barrier orders
+  // the CTA's stores before thread 0's release.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (unsigned long long m = mask; m != 0; m &= m - 1) {
+      const int d = __ffsll(static_cast<long long>(m)) - 1;
+      st_release_sys(region<uint64_t>(p.peers[d], L.recv_flag) + at, call);
+    }
+  }
   __syncthreads();  // every thread has read *s_mask before the next token resets it
 }
 
-// One thread, after every send of this call is ordered before it: the call number advances and
+// One thread, after every slot id of this call is ordered before it: the call number advances and
 // every rank's dispatch_sig[rank] gets (call, T) (or the capacity error with the T called).
 __device__ inline void publish_dispatch(const EpParams& p) {
   EpLocal* me = local_state(p);
@@ -271,39 +275,68 @@ __device__ inline void publish_dispatch(const EpParams& p) {
   me->call = call;
 }
 
-// One warp per token (grid-stride), then the last CTA publishes.
+// One thread, after every row of this call is ordered before it: every rank's rows_sig[rank]
+// gets (call, T).
+__device__ inline void publish_rows(const EpParams& p, uint64_t call) {
+  for (int d = 0; d < p.size; ++d)
+    st_release_sys(region<uint64_t>(p.peers[d], p.layout.rows_sig) + p.rank,
+                   (call << 32) | static_cast<uint32_t>(p.num_tokens));
+}
+
+// One warp per token (grid-stride), in two passes: the slot ids, after which the last CTA
+// publishes dispatch_sig (the receivers sort while the rows travel), then the rows with their
+// arrival words, after which the last CTA publishes rows_sig. Every CTA has started before
+// dispatch_sig is published (each took a ticket), and nothing in the second pass waits: a
+// receiver that waits for these rows (its GEMM kernel's gather units, with several ranks on one
+// GPU) never waits for a CTA that has no room to run.
 __global__ void __launch_bounds__(kSendThreads)
 ep_send_kernel(const EpParams p, const SendArgs a) {
   ptx::grid_dependency_wait();  // PDL: the quantized input is complete
   ptx::launch_dependents();     // the successor (ep_dispatch) is one CTA
-  send_tokens(p, a, static_cast<int64_t>(blockIdx.x) * kSendWarps + threadIdx.x / 32,
-              static_cast<int64_t>(gridDim.x) * kSendWarps);
-  if (last_cta(&local_state(p)->send_ticket) && threadIdx.x == 0) publish_dispatch(p);
+  EpLocal* me = local_state(p);
+  // This call's number (publish_dispatch advances me->call after every CTA's ticket, so after
+  // this read).
+  const uint64_t call = me->call + 1;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kSendWarps + threadIdx.x / 32;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kSendWarps;
+  send_token_slots(p, a, warp, num_warps);
+  if (last_cta(&me->send_ticket) && threadIdx.x == 0) publish_dispatch(p);
+  send_token_rows(p, a, warp, num_warps, call);
+  if (last_cta(&me->rows_ticket) && threadIdx.x == 0) publish_rows(p, call);
 }
 
-// The received slots of the current call, in source-rank order: source s's tokens [0, T_s) with
-// K slots each. A slot's row_slot value is its place in recv_idx: (s*T_max + t)*K + k, so
-// row_slot / K is the token's row in recv_xq (what the gather reads).
+// The received slots of the current call, token-major: v = (t * R + s) * K + k for t below the
+// largest T of the call, slot k of source s's token t (id -1 where s sent fewer tokens), so each
+// expert's rows come in ascending token order across the sources: the order in which the senders'
+// warps deliver them (the MegaMoE kernel's gather units then find a slot's first rows early). A
+// slot's row_slot value is its place in recv_idx: (s*T_max + t)*K + k, so row_slot / K is the
+// token's row in recv_xq and recv_flag (what the gather reads). R * T_max * K < 2^31 (EpGroup).
 struct ReceivedSlots {
   static constexpr bool kRecord = false;  // sources send only valid ids or -1
   const int32_t* recv_idx;
   const float* recv_w;
-  const int32_t* token_prefix;  // shared memory [R + 1]: received tokens before source s
-  int32_t ranks;
-  int64_t t_max, top_k;
-  __device__ __forceinline__ int64_t place(int64_t v) const {
-    const int32_t u = static_cast<int32_t>(v / top_k);
-    int lo = 0, hi = ranks - 1;  // the source s with token_prefix[s] <= u < token_prefix[s+1]
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (token_prefix[mid] <= u) lo = mid; else hi = mid - 1;
-    }
-    return (lo * t_max + (u - token_prefix[lo])) * top_k + v % top_k;
+  const int32_t* tokens;  // shared memory [R]: tokens received from source s
+  uint32_t ranks;
+  uint32_t t_max, top_k;
+  __device__ __forceinline__ uint32_t place(int64_t v, bool* sent) const {
+    const uint32_t u = static_cast<uint32_t>(v) / top_k;  // t * R + s
+    const uint32_t t = u / ranks, s = u - t * ranks;
+    *sent = t < static_cast<uint32_t>(tokens[s]);
+    return (s * t_max + t) * top_k + (static_cast<uint32_t>(v) - u * top_k);
   }
-  __device__ __forceinline__ int32_t id(int64_t v) const { return recv_idx[place(v)]; }
-  __device__ __forceinline__ float weight(int64_t v) const { return recv_w[place(v)]; }
+  __device__ __forceinline__ int32_t id(int64_t v) const {
+    bool sent;
+    const uint32_t at = place(v, &sent);
+    return sent ? recv_idx[at] : -1;
+  }
+  __device__ __forceinline__ float weight(int64_t v) const {
+    bool sent;
+    const uint32_t at = place(v, &sent);
+    return sent ? recv_w[at] : 0.0f;
+  }
   __device__ __forceinline__ int32_t row_slot(int64_t v) const {
-    return static_cast<int32_t>(place(v));
+    bool sent;
+    return static_cast<int32_t>(place(v, &sent));
   }
 };
 
@@ -315,13 +348,15 @@ struct ReceivedSlots {
 // Without it the grid is one CTA and ep_send has published.
 // row_dst (optional, [max_rows]): each placed row's destination, its source rank's combine slot
 // (GemmParams::out_rows: the L2 epilogue returns the rows).
+// wait_rows: after the sort, wait for every rank's rows_sig too (the next kernel reads the rows);
+// without it the reader waits for each row itself (the MegaMoE kernel's gather units, recv_flag).
 __global__ void __launch_bounds__(sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize)
 ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, const SendArgs a,
-                   bool fused_send, uint16_t** row_dst) {
+                   bool fused_send, uint16_t** row_dst, bool wait_rows) {
   extern __shared__ int32_t hist[];
   __shared__ int32_t warp_totals[sm90::kDispatchMaxWarps];
   __shared__ int32_t tokens[kMaxRanks + 1];
-  __shared__ int32_t prefix[kMaxRanks + 1];
+  __shared__ int32_t max_tokens;
   __shared__ unsigned long long s_mask;
   // PDL: this rank's ep_send has published (call number updated), or, fused, the previous layer
   // call is done with this rank's peers' rows (its return waited for every rank).
@@ -334,9 +369,12 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   const uint64_t call = me->call + (fused_send ? 1 : 0);
   if (fused_send) {
     for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x)
-      quantize_send_token(p, a, t, &s_mask);
+      quantize_send_token(p, a, t, call, &s_mask);
     if (!last_cta(&me->send_ticket)) return;  // the others exit: one CTA waits below
-    if (threadIdx.x == 0) publish_dispatch(p);  // after last_cta's fence
+    if (threadIdx.x == 0) {  // after last_cta's fence: the slot ids and the rows are in place
+      publish_dispatch(p);
+      publish_rows(p, call);
+    }
     __syncthreads();
   }
   if (threadIdx.x < p.size) {
@@ -354,16 +392,17 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    prefix[0] = 0;
-    for (int s = 0; s < p.size; ++s) prefix[s + 1] = prefix[s] + tokens[s];
+    max_tokens = 0;  // the largest T of the call
+    for (int s = 0; s < p.size; ++s) max_tokens = max(max_tokens, tokens[s]);
   }
   __syncthreads();
   // The waits are over: the gather may launch now (PDL), its CTAs wait for this kernel's end.
   if (!p.early_launch) ptx::launch_dependents();
-  d.num_slots = static_cast<int64_t>(prefix[p.size]) * L.top_k;
+  d.num_slots = static_cast<int64_t>(max_tokens) * p.size * L.top_k;
   const ReceivedSlots slots{region<int32_t>(p.peers[p.rank], L.recv_idx),
-                            region<float>(p.peers[p.rank], L.recv_w), prefix, p.size, L.t_max,
-                            L.top_k};
+                            region<float>(p.peers[p.rank], L.recv_w), tokens,
+                            static_cast<uint32_t>(p.size), static_cast<uint32_t>(L.t_max),
+                            static_cast<uint32_t>(L.top_k)};
   // The sort's total rows, also when it placed none.
   int32_t rows = 0;
   bool placed;
@@ -382,6 +421,12 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
     __syncthreads();  // the sort's row_slot stores, made by every thread of the CTA
     for (int32_t r = threadIdx.x; r < rows; r += blockDim.x)
       row_dst[r] = combine_row(p, d.row_slot[r]);
+  }
+  // The rows themselves (ep_send publishes dispatch_sig before them): the sort above overlapped
+  // their arrival. (A source above its capacity published rows_sig with T = 0.)
+  if (wait_rows && threadIdx.x < p.size) {
+    const int s = threadIdx.x;
+    (void)wait_signal(p, region<uint64_t>(p.peers[p.rank], L.rows_sig) + s, call, Stage::kDispatch, s);
   }
 }
 

@@ -7,8 +7,12 @@
 // allocation with virtual ranks). Offsets, in bytes from the window base:
 //
 //   local        EpLocal              this rank's own state: call counter, CTA tickets, status
-//   dispatch_sig uint64 [R]           [s]: written by source rank s when its tokens are in place
+//   dispatch_sig uint64 [R]           [s]: written by source rank s when its slot ids (recv_idx,
+//                                     recv_w) are in place; its rows may still be arriving
+//   rows_sig     uint64 [R]           [s]: written by source rank s when its rows are in place
 //   return_sig   uint64 [R]           [d]: written by owner rank d when its results are in place
+//   recv_flag    uint64 [R][T_max]    [s][t]: the call number, written by s once its token t's row
+//                                     and scales are in place here (rows sent to this rank only)
 //   recv_idx     int32  [R][T_max][K] [s][t][k]: source s's token t's expert ids (-1: empty or
 //                                     invalid), written by s for every token and every rank
 //   recv_w       fp32   [R][T_max][K] the matching top-k weights
@@ -21,7 +25,7 @@
 // A signal word is (call << 32) | payload: `call` counts this window's layer calls from 1, so a
 // word from an earlier call never passes for the current one. Payload of dispatch_sig: the
 // source's T; with kEpPayloadError set, the source was called above its capacity (low bits: its
-// T). Payload of return_sig: rows the owner received; with kEpPayloadError set, more than its
+// T). Payload of rows_sig: the source's T. Payload of return_sig: rows the owner received; with kEpPayloadError set, more than its
 // max_recv_rows (nothing was computed).
 #pragma once
 
@@ -35,6 +39,11 @@ constexpr int kMaxRanks = 64;  // one NVLink domain (NVL72 has 72 GPUs: one bit 
 constexpr int64_t kWindowAlign = 4096;  // NCCL_WIN_REQUIRED_ALIGNMENT, also for every region
 constexpr uint32_t kPayloadError = 0x80000000u;
 constexpr uint32_t kPayloadMask = 0x7FFFFFFFu;
+// The longest wait for one received row inside the MegaMoE kernel (its gather units), whatever
+// the group's timeout: below the kernels' trap deadline (ptx::kWaitTimeoutCycles, ~10 s), which
+// the GEMM waits behind a late row would otherwise reach first. A row is sent right after its
+// source's slot ids, so a row this late means a failed source.
+constexpr uint64_t kMaxRowWaitNs = 2'000'000'000ull;
 
 enum class Stage : int32_t { kNone = 0, kDispatch = 1, kCombine = 2 };
 
@@ -59,6 +68,7 @@ struct EpStatus {
 struct EpLocal {
   uint64_t call;            // layer calls made on this window (last one completed or running)
   uint32_t send_ticket;     // CTAs of the send kernel done (the last one publishes, resets)
+  uint32_t rows_ticket;     // CTAs of the send kernel done with their rows (the same, rows_sig)
   uint32_t return_ticket;   // the same for the return kernel
   uint32_t recv_rows;       // rows received in the current call (payload of return_sig)
   uint32_t broken;          // 1 after a timeout: later waits do not spin
@@ -68,8 +78,8 @@ struct EpLocal {
 struct WindowLayout {
   int32_t ranks = 0;
   int64_t t_max = 0, hidden = 0, top_k = 0;
-  int64_t local = 0, dispatch_sig = 0, return_sig = 0, recv_idx = 0, recv_w = 0, recv_sf = 0,
-          recv_xq = 0, combine = 0, bytes = 0;
+  int64_t local = 0, dispatch_sig = 0, rows_sig = 0, return_sig = 0, recv_flag = 0, recv_idx = 0,
+          recv_w = 0, recv_sf = 0, recv_xq = 0, combine = 0, bytes = 0;
 
   // Region offsets for R ranks, capacity t_max tokens per rank, hidden H, top-k K.
   static WindowLayout make(int32_t ranks, int64_t t_max, int64_t hidden, int64_t top_k) {
@@ -87,7 +97,9 @@ struct WindowLayout {
     const int64_t tokens = static_cast<int64_t>(ranks) * t_max;
     l.local = take(sizeof(EpLocal));
     l.dispatch_sig = take(ranks * 8);
+    l.rows_sig = take(ranks * 8);
     l.return_sig = take(ranks * 8);
+    l.recv_flag = take(tokens * 8);
     l.recv_idx = take(tokens * top_k * 4);
     l.recv_w = take(tokens * top_k * 4);
     l.recv_sf = take(tokens * (hidden / 32));
@@ -110,6 +122,16 @@ MEGAMOE_HD ReturnSlot return_slot(uint32_t place, uint32_t top_k, uint32_t t_max
   const uint32_t s = token / t_max;
   return {s, (token - s * t_max) * top_k + place % top_k};
 }
+
+// What the wait for one received row needs (ep_device.cuh's wait_row; the MegaMoE kernel's gather
+// units under expert parallelism).
+struct RowArrival {
+  const uint64_t* flags = nullptr;  // this rank's recv_flag [R][T_max]
+  EpLocal* local = nullptr;         // this rank's state: the call number, the error record
+  int32_t* error_flag = nullptr;    // mapped host word (may be null)
+  uint64_t timeout_ns = 0;
+  int32_t t_max = 0;
+};
 
 // The parameter block of every EP kernel (passed by value).
 struct EpParams {

@@ -59,7 +59,7 @@ void configure_dispatch(int64_t num_local) {
 
 void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offsets,
                      int32_t* row_slot, float* row_weights, uint16_t** row_dst,
-                     cudaStream_t stream, bool programmatic) {
+                     cudaStream_t stream, bool programmatic, bool wait_rows) {
   sm90::DispatchParams d{};
   d.num_experts = p.num_experts;
   d.first_local = p.rank * p.num_local;
@@ -87,7 +87,7 @@ void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offse
   // Fused: one CTA per token (quantize_send_token), the last one to finish waits and sorts.
   const int grid = fused ? std::max(1, p.num_tokens) : 1;
   cuda::launch(ep_dispatch_kernel, grid, sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize, smem,
-               stream, programmatic, p, d, num_warps, send_args(p, in), fused, row_dst);
+               stream, programmatic, p, d, num_warps, send_args(p, in), fused, row_dst, wait_rows);
 }
 
 void launch_return(const EpParams& p, const uint16_t* out, const int32_t* row_offsets,

@@ -37,10 +37,12 @@ void launch_send(const EpParams& p, const SendInputs& in, cudaStream_t stream, b
 // Waits for every rank's tokens and builds the row lists: row_offsets [E_l + 1], row_slot /
 // row_weights [p.max_rows] (sm90_dispatch.cuh), and (row_dst != nullptr) each row's destination
 // [p.max_rows], its source rank's combine slot, for the L2 epilogue (L2Args::out_rows). `in` is
-// what a fused call quantizes and sends first.
+// what a fused call quantizes and sends first. wait_rows: the kernel also waits for every rank's
+// rows (the next kernel reads them); false when the reader waits for each row itself (the
+// MegaMoE kernel's gather units: sm90::MegaGather).
 void launch_dispatch(const EpParams& p, const SendInputs& in, int32_t* row_offsets,
                      int32_t* row_slot, float* row_weights, uint16_t** row_dst,
-                     cudaStream_t stream, bool programmatic);
+                     cudaStream_t stream, bool programmatic, bool wait_rows = true);
 // Raises the dispatch kernel's shared-memory limit for num_local experts (host call, made at
 // layer construction so that forward() makes none).
 void configure_dispatch(int64_t num_local);

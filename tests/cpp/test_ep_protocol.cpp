@@ -43,7 +43,9 @@ TEST(EpProtocol, WindowRegionsAreAlignedAndDisjoint) {
   const std::vector<std::pair<int64_t, int64_t>> regions = {
       {l.local, static_cast<int64_t>(sizeof(EpLocal))},
       {l.dispatch_sig, 8 * 8},
+      {l.rows_sig, 8 * 8},
       {l.return_sig, 8 * 8},
+      {l.recv_flag, 8 * 512 * 8},
       {l.recv_idx, 8 * 512 * 8 * 4},
       {l.recv_w, 8 * 512 * 8 * 4},
       {l.recv_sf, 8 * 512 * (7168 / 32)},
