@@ -49,11 +49,13 @@ class Command {
 std::vector<CommandInfo> registered_commands();
 
 // The Hopper backend's options as flags (`run`, `bench`): --tile, --no-pdl, --mega,
-// --no-decode-front, --rows-hint, mapped onto LayerConfig::sm90 (validated with the config).
+// --mega-dispatch, --no-decode-front, --rows-hint, mapped onto LayerConfig::sm90 (validated with
+// the config).
 struct Sm90Flags {
   std::string tile = "auto";
   bool no_pdl = false;
   bool mega = false;
+  bool mega_dispatch = false;
   bool no_decode_front = false;
   std::string rows_hint = "gated";
 
@@ -70,6 +72,10 @@ struct Sm90Flags {
                  "the staged 256 x 128 tiles (exact mode; a forced tile it is built for runs "
                  "fused, also the FP8 tiles fp8_128x192_k2_async and fp8_256x128_k2_staged); the "
                  "chain otherwise");
+    app.add_flag("--mega-dispatch", mega_dispatch,
+                 "with --mega under expert parallelism: the MegaMoE kernel gathers each received "
+                 "token row as it arrives (the dispatch inside the launch) instead of a gather "
+                 "launch after every rank's rows");
     app.add_flag("--no-decode-front", no_decode_front,
                  "quantize, dispatch and gather as three launches also for decode calls "
                  "(T*K <= 1024 on one GPU, exact mode), where they are one by default");
@@ -81,6 +87,7 @@ struct Sm90Flags {
     config.sm90.gemm_tile = tile;
     config.sm90.programmatic_launch = !no_pdl;
     config.sm90.mega_kernel = mega;
+    config.sm90.mega_dispatch = mega_dispatch;
     config.sm90.decode_front = !no_decode_front;
     config.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
   }

@@ -68,6 +68,13 @@ struct Sm90Options {
   // their source ranks' combine slots. The same results bit for bit as the chain on the same
   // tile.
   bool mega_kernel = false;
+  // The dispatch inside the MegaMoE kernel (expert parallelism, with mega_kernel): for the calls
+  // the kernel runs, its gather units convert each received token row as soon as its arrival word
+  // says it is there, while the rest still arrive, instead of a gather launch after every rank's
+  // rows are in (the dispatch kernel then waits only for the ranks' slot ids, to sort them). The
+  // same results bit for bit. Off by default: its gain is the overlap of NVLink transfers with
+  // the GEMMs, not measurable on one GPU, where it costs (docs/perf.md).
+  bool mega_dispatch = false;
   // Decode front: quantize, dispatch and gather of an exact-mode call on one GPU with T*K <= 1024
   // as one launch (kernels/sm90/sm90_decode_front.cuh) instead of three; the same workspace bit
   // for bit. Off: the three launches (the stage columns of `megamoe bench` then split them).

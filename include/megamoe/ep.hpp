@@ -47,7 +47,9 @@ using NcclUniqueId = std::array<uint8_t, 128>;
 
 struct EpOptions {
   // Every wait on another rank gives up after this long and reports kTimeout (naming the rank,
-  // stage and call number) instead of hanging.
+  // stage and call number) instead of hanging. (The MegaMoE kernel's wait for one received row,
+  // LayerConfig::sm90.mega_dispatch, gives up after at most 2 s: the row follows its source's
+  // slot ids at once.)
   double timeout_s = 10.0;
   // Rows (token, expert slot) one rank may receive per call; 0 = the worst case
   // R * max_tokens_per_rank * min(top_k, E/R), which never overflows. A smaller value saves

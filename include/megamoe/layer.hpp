@@ -60,6 +60,10 @@ class MoeLayer {
   std::vector<int64_t> expert_rows(void* stream = nullptr);
   // The layer's EP group, or null.
   std::shared_ptr<EpGroup> ep_group() const;
+  // Which kernels ran the expert GEMMs of the last call (host-side record, no wait): "cpu"; sm90:
+  // "chain" (the GEMM launches), "mega" (the MegaMoE kernel) or "mega+dispatch" (the MegaMoE
+  // kernel with the dispatch inside, LayerConfig::sm90.mega_dispatch). For tests and benchmarks.
+  std::string last_call_kernels() const;
 
   const LayerConfig& config() const;
   const std::string& backend() const;

@@ -22,19 +22,11 @@
 
 #include "megamoe/formats.hpp"
 #include "ptx/sm90_ptx.cuh"
+#include "sm90/sm90_gather_row.cuh"
 
 namespace megamoe::sm90 {
 
-constexpr int kGatherVec = 16;
 constexpr int kGatherBlockThreads = 256;
-static_assert(kScaleBlock % kGatherVec == 0, "a thread's channels share one scale");
-
-// The BF16x2 of two E4M3 codes (low byte first) times the power of two `scale` (exact; see above).
-__device__ __forceinline__ uint32_t dequant_e4m3x2_bf16x2(uint16_t codes, float scale) {
-  float lo, hi;
-  ptx::e4m3x2_to_f32x2(codes, lo, hi);
-  return ptx::cvt_bf16x2_rn(lo * scale, hi * scale);
-}
 
 // max_rows = T * K. The launcher guarantees max_rows * H / kGatherVec < 2^32, so work items are
 // indexed in 32 bits. NOTES: with 64-bit indices the two divisions per item (row of the item,
@@ -61,19 +53,9 @@ sm90_gather_dequant_e4m3_bf16_kernel(const uint8_t* __restrict__ x_q,
     const uint32_t r = i / chunks_per_row;
     const uint32_t c = i - r * chunks_per_row;
     const uint32_t t = static_cast<uint32_t>(__ldg(row_slot + r)) / top_k;
-    const uint4 codes =
-        __ldg(reinterpret_cast<const uint4*>(x_q + static_cast<size_t>(t) * hidden) + c);
-    const int b = __ldg(x_sf + static_cast<size_t>(t) * (hidden / kScaleBlock) +
-                        (c * kGatherVec) / kScaleBlock);
-    const float scale = ue8m0_to_f32(static_cast<uint8_t>(b));
-    const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
-    uint32_t out[kGatherVec / 2];
-#pragma unroll
-    for (int j = 0; j < kGatherVec / 2; ++j)
-      out[j] = dequant_e4m3x2_bf16x2(static_cast<uint16_t>(words[j / 2] >> (16 * (j % 2))), scale);
-    uint4* dst = reinterpret_cast<uint4*>(act + static_cast<size_t>(r) * hidden) + 2 * c;
-    dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
-    dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
+    gather_chunk<false>(x_q + static_cast<size_t>(t) * hidden,
+                        x_sf + static_cast<size_t>(t) * (hidden / kScaleBlock), c,
+                        act + static_cast<size_t>(r) * hidden);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ep/ep_protocol.hpp"
 #include "layout/sm90_weight_layout.hpp"
 #include "megamoe/activation.hpp"
 #include "sm90/sm90_tiles.hpp"
@@ -100,6 +101,23 @@ struct GemmParams {
 };
 
 // The MegaMoE kernel's ABI (kernels/sm90/sm90_mega_moe.cuh): both GEMMs of a call in one launch.
+// The gather inside the MegaMoE kernel (expert parallelism; x_q != nullptr): gather units ahead of
+// L1's units write each slot's B rows from the received token rows (x_q / x_sf: the window's
+// recv_xq / recv_sf, token row row_slot[r] / top_k), each row once its arrival word says it is
+// there (ep::RowArrival; the call number read from the window's state), as launch_gather (exact
+// mode: BF16 act) or launch_rebase_rows_e4m3 (FP8 mode: act_fp8, act_factor) would; the slot's L1
+// tiles wait for its gather units.
+struct MegaGather {
+  const uint8_t* x_q = nullptr;     // [R * T_max][H] E4M3
+  const uint8_t* x_sf = nullptr;    // [R * T_max][H / 32] UE8M0
+  const int32_t* row_slot = nullptr;
+  uint16_t* act = nullptr;          // exact mode: L1's BF16 rows (what tmap_act reads)
+  uint8_t* act_fp8 = nullptr;       // FP8 mode: L1's E4M3 rows and row factors
+  float* act_factor = nullptr;
+  ep::RowArrival arrival;
+  int32_t top_k = 0;
+};
+
 struct MegaParams {
   GemmParams l1;                 // as launch_l1 runs it (no gate); l1.unit_counter: the units
                                  // taken at run time (required); l1.k_splits: K parts of each L1
@@ -115,6 +133,7 @@ struct MegaParams {
   // the kernel's rebase units write from l1.h_q / l1.h_sf as launch_rebase_rows_e4m3 would.
   uint8_t* h_fp8 = nullptr;      // [max_rows + kRowSlack, I]
   float* h_factor = nullptr;     // [max_rows + kRowSlack]
+  MegaGather gather;             // under expert parallelism: L1's rows gathered inside the launch
 };
 
 // The launch gate's test: `rows` routed rows over `hits` experts lie in (p.gate_min_avg,

@@ -3,8 +3,9 @@
 // as the L1 tiles of their rows are written, with per-slot ready counters instead of a launch
 // boundary.
 //
-// Work list (MegaSchedule, sm90_tile_schedule.hpp): L1's tiles, then (FP8 mode) the rebase units,
-// then L2's tiles, over the same token-row n-tiles; a slot is an (expert, n-tile). Every CTA's
+// Work list (MegaSchedule, sm90_tile_schedule.hpp): (under expert parallelism with the dispatch
+// inside, MegaParams::gather) the gather units, then L1's tiles, then (FP8 mode) the rebase
+// units, then L2's tiles, over the same token-row n-tiles; a slot is an (expert, n-tile). Every CTA's
 // producer takes each of its units, the first one included, from a counter in increasing order,
 // so a unit is only ever taken by a running CTA and every L1 tile is taken before any rebase unit
 // and those before any L2 tile: a unit waits only on earlier units that running CTAs will finish,
@@ -17,7 +18,10 @@
 // tile, two math warpgroups and a producer warpgroup with setmaxnreg, whose epilogue is staged in
 // the math warpgroups or, asynchronous, finished by the producer warpgroup's other warps):
 //   producer thread: per unit, its stages' weight copies and B boxes (L1: the gathered act rows,
-//                    L2: h_act; FP8 mode: act_fp8, h_fp8). A rebase unit (FP8 mode) waits for
+//                    L2: h_act; FP8 mode: act_fp8, h_fp8). A gather unit is named to the math
+//                    warpgroups in a stage without data; an L1 unit behind gather units waits
+//                    for its slot's count to reach them (weight copies first, as L2 below)
+//                    and fences the async proxy. A rebase unit (FP8 mode) waits for
 //                    its slot's L1 tiles and is named to the math warpgroups in a stage without
 //                    data (a plain arrival). An L2 unit reads the slot's counter (ld.acquire.gpu); if the
 //                    slot is not ready, it issues the weight copies of its first stages (they
@@ -29,7 +33,10 @@
 //   math warpgroup:  the mainloop of the tile's GEMM, then its epilogue (L1: activation, routing
 //                    weight, requantization to h_q / h_sf / h_act; L2: out, or under expert
 //                    parallelism out_rows, each row's source rank's combine slot, as the chained
-//                    L2 writes it). After an L1 tile, a barrier of the threads that stored its
+//                    L2 writes it). A gather unit: 64 of its slot's rows, one warp per row, each
+//                    once its arrival word says the row is in (ep::wait_row), converted as the
+//                    gather (or, FP8 mode, rebase) launch would into L1's B rows; the barrier and
+//                    release add of a rebase unit. After an L1 tile, a barrier of the threads that stored its
 //                    rows, and one thread adds 1 to the slot's ready counter with release
 //                    semantics (red.release.gpu): the rows' stores are published. A rebase unit
 //                    (FP8 mode): 64 of its slot's rows of h_q / h_sf into L2's E4M3 rows and
@@ -46,6 +53,8 @@
 
 #include <cstdint>
 
+#include "ep/ep_device.cuh"
+#include "sm90/sm90_gather_row.cuh"
 #include "sm90/sm90_grouped_gemm_bf16_mxfp4.cuh"
 #include "sm90/sm90_rebase_row.cuh"
 #include "sm90/sm90_tile_schedule.hpp"
@@ -64,6 +73,13 @@ constexpr int kMegaRebaseRows = 64;
 template <class Cfg>
 constexpr int mega_rebase_units_per_slot() {
   return Cfg::kFp8 ? (Cfg::kBlockN + kMegaRebaseRows - 1) / kMegaRebaseRows : 0;
+}
+
+// Under expert parallelism (MegaGather), gather units: kMegaRebaseRows rows of a slot each, ahead
+// of every L1 unit.
+template <class Cfg>
+constexpr int mega_gather_units_per_slot() {
+  return (Cfg::kBlockN + kMegaRebaseRows - 1) / kMegaRebaseRows;
 }
 
 // Spins until *counter reaches target (one thread). Gives up after kWaitTimeoutCycles and traps,
@@ -147,7 +163,10 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   // which is only valid after the wait (a unit fixed per CTA would be held by a CTA that may not
   // be resident while the others wait on it: deadlock). The prefill tiles (setmaxnreg) wait
   // first, as their GEMM launches do, and read row_offsets.
-  const bool prefetch = !Cfg::kUseSetMaxNReg && mp.l1.prefetch_before_wait != 0;
+  // Under expert parallelism with the gather inside (mp.gather), the previous kernel is the EP
+  // dispatch, which writes row_offsets: the schedule then waits too.
+  const bool gathering = mp.gather.x_q != nullptr;
+  const bool prefetch = !Cfg::kUseSetMaxNReg && mp.l1.prefetch_before_wait != 0 && !gathering;
   if (!prefetch) ptx::grid_dependency_wait();
   if constexpr (Cfg::kUseSetMaxNReg) {
     build_schedule_rounds<Cfg::kThreads, Cfg::kBlockN>(mp.l1.row_offsets, num_experts,
@@ -185,10 +204,17 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   // FP8 mode: between L1's units and L2's, kRebaseUnitsPerSlot rebase units per slot (slot-major);
   // each waits for its slot's L1 tiles and adds 1 to the slot's ready count, so an L2 tile waits
   // for ready_target() + kRebaseUnitsPerSlot.
+  // Gather units (mp.gather) come first: units [0, num_gather), slot-major, each adding 1 to its
+  // slot's ready count, which L1's tiles wait for; the GEMM and rebase units below are numbered
+  // from num_gather (u = unit - num_gather), and every later wait target adds gather_target.
+  const int gather_target = gathering ? mega_gather_units_per_slot<Cfg>() : 0;
+  const int num_gather = ms.num_slots() * gather_target;
   const int l1_units = ms.l1_tiles() * splits1;
   const int l2_first = l1_units + ms.num_slots() * kRebaseUnitsPerSlot;
   const int num_units = l2_first + ms.l2.total_tiles() * splits2;
-  const int l2_ready_target = ms.ready_target() + kRebaseUnitsPerSlot;
+  const int all_units = num_gather + num_units;
+  const int rebase_target = gather_target + ms.ready_target();
+  const int l2_ready_target = rebase_target + kRebaseUnitsPerSlot;
   auto is_rebase = [&](int u) { return u >= l1_units && u < l2_first; };
   // The unit's tile (a MegaSchedule index), K part and parts (GEMM units).
   auto tile_of = [&](int u) {
@@ -258,7 +284,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     // `first`: the unit's first stage, which names it to the math warpgroup.
     auto copy_weights = [&](int u, const TileInfo& tile, int kb, bool first, int s, uint32_t ph) {
       ptx::mbar_wait(&empty_bars[s], ph ^ 1u);
-      if (first) s_stage_unit[s] = u;  // released by the stage's arrival
+      if (first) s_stage_unit[s] = num_gather + u;  // released by the stage's arrival
       if (u < l1_units) {
         issue_weight_stage<Cfg>(mp.l1, tile, m_blocks1, k_blocks1, kb, smem_a, smem_sf, full_bars,
                                 s, policy);
@@ -286,23 +312,43 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     // Every read of the previous kernels' outputs and of the counters comes after the wait. The
     // prefill tiles release the next kernel only when they exit, as their GEMM launches do.
     if constexpr (!Cfg::kUseSetMaxNReg) ptx::launch_dependents();
-    int u = atomicAdd(mp.l1.unit_counter, 1);
-    while (u < num_units) {
+    // A unit that only names itself to the math warpgroups, in a stage without data (a plain
+    // arrival completes the stage's full barrier).
+    auto name_unit = [&](int unit) {
+      ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
+      s_stage_unit[stage] = unit;
+      ptx::mbar_arrive(&full_bars[stage]);
+      if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+    };
+    int next = atomicAdd(mp.l1.unit_counter, 1);
+    while (next < all_units) {
+      if (next < num_gather) {  // a gather unit: the math warpgroups wait for its rows
+        name_unit(next);
+        next = atomicAdd(mp.l1.unit_counter, 1);
+        continue;
+      }
+      const int u = next - num_gather;
       if constexpr (kRebaseUnitsPerSlot > 0) {
         if (is_rebase(u)) {
-          // A rebase unit: once its slot's L1 tiles are done, name it to the math warpgroups in
-          // a stage without data (a plain arrival completes the stage's full barrier).
-          wait_count(mp.ready + (u - l1_units) / kRebaseUnitsPerSlot, ms.ready_target());
-          ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
-          s_stage_unit[stage] = u;
-          ptx::mbar_arrive(&full_bars[stage]);
-          if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
-          u = atomicAdd(mp.l1.unit_counter, 1);
+          // A rebase unit: once its slot's L1 tiles are done.
+          wait_count(mp.ready + (u - l1_units) / kRebaseUnitsPerSlot, rebase_target);
+          name_unit(next);
+          next = atomicAdd(mp.l1.unit_counter, 1);
           continue;
         }
       }
       const bool l1 = u < l1_units;
       const TileInfo tile = ms.get(tile_of(u));
+      if (l1 && gathering) {
+        // An L1 tile reads its slot's B rows, written by the slot's gather units: as an L2 tile
+        // waits for its slot's L1 tiles (below).
+        const int slot = ms.slot(tile);
+        if (ptx::ld_acquire_gpu(mp.ready + slot) < gather_target) {
+          copy_weights_ahead(u, tile, Cfg::kNumStages);
+          wait_count(mp.ready + slot, gather_target);
+        }
+        ptx::fence_proxy_async_global();  // the rows were written by generic-proxy stores
+      }
       if (!l1) {
         // An L2 tile reads the h rows of its slot: every L1 tile of the slot must be done. Its
         // weights do not depend on them: where the slot is not ready, the pipeline's depth of
@@ -335,7 +381,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         }
         if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
       }
-      u = atomicAdd(mp.l1.unit_counter, 1);
+      next = atomicAdd(mp.l1.unit_counter, 1);
     }
     // No more units: tell the math warpgroups, count this CTA out; the last one sets the unit
     // counters back to zero.
@@ -361,7 +407,46 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       ptx::mbar_wait(&full_bars[stage], phase);
       return static_cast<int>(s_stage_unit[stage]);
     };
-    for (int u = next_unit(); u >= 0 && u < num_units; u = next_unit()) {
+    for (int next = next_unit(); next >= 0 && next < all_units; next = next_unit()) {
+      if (next < num_gather) {
+        // A gather unit: rows [chunk x 64, + 64) of the slot, one warp per row: lane 0 waits for
+        // the row's token to have arrived (its arrival word, acquire at system scope; the row
+        // was written by its source rank while this launch runs: read through L2), then the
+        // warp writes L1's B row (exact mode: the gather launch's BF16 conversion; FP8 mode:
+        // the rebase launch's E4M3 row and factor); then the math warpgroups' barrier, one
+        // release add to the slot's count, and the stage back to the producer.
+        const int slot = next / gather_target;
+        const int chunk = next % gather_target;
+        const TileInfo st = ms.slot_info(slot);
+        const MegaGather& g = mp.gather;
+        const uint64_t call = *reinterpret_cast<volatile const uint64_t*>(&g.arrival.local->call);
+        const int H = mp.l1.k;
+        const uint32_t groups = static_cast<uint32_t>(H) / kScaleBlock;
+        const int lane = tid % 32;
+        const int row_end = min(st.row0 + st.num_rows, st.row0 + (chunk + 1) * kMegaRebaseRows);
+        constexpr int kWarps = Cfg::kNumMathWG * Cfg::kWarpgroupThreads / 32;
+        for (int r = st.row0 + chunk * kMegaRebaseRows + (mwg * Cfg::kWarpgroupThreads + tid) / 32;
+             r < row_end; r += kWarps) {
+          const int64_t token = __ldg(g.row_slot + r) / g.top_k;  // s * t_max + t
+          if (lane == 0) ep::wait_row(g.arrival, token, call);
+          __syncwarp();
+          const uint8_t* x_row = g.x_q + token * H;
+          const uint8_t* sf_row = g.x_sf + token * groups;
+          if constexpr (Cfg::kFp8) {
+            rebase_row_e4m3<true>(x_row, sf_row, groups, g.act_fp8 + static_cast<int64_t>(r) * H,
+                                  g.act_factor + r, lane);
+          } else {
+            for (int c = lane; c < H / kGatherVec; c += 32)
+              gather_chunk<true>(x_row, sf_row, c, g.act + static_cast<int64_t>(r) * H);
+          }
+        }
+        ptx::named_barrier_sync(kBarRebase, Cfg::kNumMathWG * Cfg::kWarpgroupThreads);
+        if (mwg == 0 && tid == 0) ptx::red_release_gpu_add(mp.ready + slot, 1);
+        ptx::mbar_arrive(&empty_bars[stage]);
+        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+        continue;
+      }
+      const int u = next - num_gather;
       if constexpr (kRebaseUnitsPerSlot > 0) {
         if (is_rebase(u)) {
           // Rows [chunk x 64, + 64) of the slot, one warp per row (the rebase launch's

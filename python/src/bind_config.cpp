@@ -40,6 +40,7 @@ std::string config_repr(const LayerConfig& c) {
                         ", fast_math=", c.fast_math ? "True" : "False", ", precision='",
                         to_string(c.precision), "', gemm_tile='", c.sm90.gemm_tile, "'",
                         c.sm90.mega_kernel ? ", mega_kernel=True" : "",
+                        c.sm90.mega_dispatch ? ", mega_dispatch=True" : "",
                         c.sm90.decode_front ? "" : ", decode_front=False", ")");
 }
 
@@ -124,7 +125,8 @@ void register_config(nb::module_& m) {
              int ep_size, int ep_rank, int64_t max_tokens_per_rank, bool fast_math,
              const std::string& gemm_tile, bool programmatic_launch, const std::string& rows_hint,
              bool sync_error_check, const std::string& precision,
-             int64_t fp8_min_rows_per_expert, bool mega_kernel, bool decode_front) {
+             int64_t fp8_min_rows_per_expert, bool mega_kernel, bool decode_front,
+             bool mega_dispatch) {
             LayerConfig c;
             c.shape = to_shape(shape);
             if (activation) {
@@ -141,6 +143,7 @@ void register_config(nb::module_& m) {
             c.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
             c.sm90.mega_kernel = mega_kernel;
             c.sm90.decode_front = decode_front;
+            c.sm90.mega_dispatch = mega_dispatch;
             c.sync_error_check = sync_error_check;
             c.precision = parse_precision(precision);
             c.fp8_min_rows_per_expert = fp8_min_rows_per_expert;
@@ -153,7 +156,7 @@ void register_config(nb::module_& m) {
           nb::arg("programmatic_launch") = true, nb::arg("rows_hint") = "gated",
           nb::arg("sync_error_check") = false, nb::arg("precision") = "exact",
           nb::arg("fp8_min_rows_per_expert") = 128, nb::arg("mega_kernel") = false,
-          nb::arg("decode_front") = true,
+          nb::arg("decode_front") = true, nb::arg("mega_dispatch") = false,
           "shape: a LayerShape or a preset name ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b', "
           "'small'). activation: an Activation or a spec string; None takes the preset's "
           "activation when shape is a name, else 'swiglu'. gemm_tile, programmatic_launch, "
@@ -169,7 +172,9 @@ void register_config(nb::module_& m) {
           "persistent launch, the MegaMoE kernel (the same results as the chained launches). "
           "decode_front: the sm90 backend quantizes, dispatches and gathers a call with "
           "T * K <= 1024 on one GPU (exact mode) in one launch (False: three; the same results). "
-          "Validated on construction.")
+          "mega_dispatch (with mega_kernel, under expert parallelism): the MegaMoE kernel gathers "
+          "each received token row as it arrives instead of a gather launch after every rank's "
+          "rows (the same results). Validated on construction.")
       .def_rw("shape", &LayerConfig::shape)
       .def_rw("activation", &LayerConfig::activation)
       .def_rw("ep_size", &LayerConfig::ep_size)
@@ -186,6 +191,9 @@ void register_config(nb::module_& m) {
       .def_prop_rw(
           "mega_kernel", [](const LayerConfig& c) { return c.sm90.mega_kernel; },
           [](LayerConfig& c, bool v) { c.sm90.mega_kernel = v; })
+      .def_prop_rw(
+          "mega_dispatch", [](const LayerConfig& c) { return c.sm90.mega_dispatch; },
+          [](LayerConfig& c, bool v) { c.sm90.mega_dispatch = v; })
       .def_prop_rw(
           "decode_front", [](const LayerConfig& c) { return c.sm90.decode_front; },
           [](LayerConfig& c, bool v) { c.sm90.decode_front = v; })

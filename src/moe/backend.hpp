@@ -53,6 +53,9 @@ class LayerBackend {
     return none;
   }
 
+  // MoeLayer::last_call_kernels.
+  virtual std::string last_call_kernels() const { return name_; }
+
   const std::string& name() const { return name_; }
   const LayerConfig& config() const { return config_; }
   const MoeWeights& weights() const { return weights_; }

@@ -125,6 +125,11 @@ std::vector<int64_t> MoeLayer::expert_rows(void* stream) {
   return impl_->expert_rows(stream);
 }
 
+std::string MoeLayer::last_call_kernels() const {
+  MEGAMOE_CHECK_ARG(impl_ != nullptr, "MoeLayer: this layer was moved from");
+  return impl_->last_call_kernels();
+}
+
 std::shared_ptr<EpGroup> MoeLayer::ep_group() const {
   MEGAMOE_CHECK_ARG(impl_ != nullptr, "MoeLayer: this layer was moved from");
   return impl_->ep_group();

@@ -351,6 +351,7 @@ bool Sm90Layer::launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bo
                                    int64_t topk_slots) {
   // (FP8 mode: the kernel also rebases L1's rows into L2's, the rebase launch between the
   // chained GEMMs.)
+  last_dispatch_fused_ = false;
   last_gemms_fused_ = config_.sm90.mega_kernel &&
                      launch_mega(l1_args(rows_hint, per_expert_max, pdl, fp8, topk_idx, topk_slots),
                                  l2_args(rows_hint, per_expert_max, pdl, fp8), view_.mega, stream);
@@ -489,15 +490,43 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   send.error = view_.error;
   send.error_flag = error_flag_dev_;
   if (!fused_send) ep::launch_send(p, send, stream, pdl);
-  // row_dst: each received row's destination, its source's combine slot, where L2 writes it.
-  ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights,
-                      view_.row_dst, stream, pdl);
   // The FP8 mode by the group's tokens, estimated as this rank's T times the ranks (each local
   // expert expects T*R*K/E rows): ranks with similar T decide alike, and EP = R decides as EP = 1
   // does on the R ranks' tokens together (LayerConfig::fp8_min_rows_per_expert).
   const bool fp8 = config_.fp8_for_tokens(t * g.size);
   const int64_t grid_rows = std::max<int64_t>(1, t * s.top_k);
-  if (fp8) {
+  const RowsHint rows = ep_rows_hint(config_, t, g.size, max_rows_);
+  const L1Args l1 = l1_args(rows.hint, rows.per_expert_max, pdl, fp8);
+  const L2Args l2 = l2_args(rows.hint, rows.per_expert_max, pdl, fp8);
+  // The dispatch inside the MegaMoE kernel (config.sm90.mega_dispatch), where its policy runs the
+  // call fused and this rank sends with ep_send (its ranks publish their slot ids before their
+  // rows; a fused send publishes after them, so a small call has nothing to overlap and the
+  // gather units would only cost: docs/perf.md): its gather units take each received row as it
+  // arrives, so the dispatch kernel does not wait for the rows (only for every rank's slot ids,
+  // to sort them).
+  const bool gather_inside = config_.sm90.mega_kernel && config_.sm90.mega_dispatch &&
+                             !fused_send && mega_fuses(l1, l2, view_.mega);
+  // row_dst: each received row's destination, its source's combine slot, where L2 writes it.
+  ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights,
+                      view_.row_dst, stream, pdl, /*wait_rows=*/!gather_inside);
+  if (gather_inside) {
+    MegaGather gather;
+    gather.x_q = window + w.recv_xq;
+    gather.x_sf = window + w.recv_sf;
+    gather.row_slot = view_.row_slot;
+    gather.top_k = static_cast<int32_t>(s.top_k);
+    gather.arrival.flags = reinterpret_cast<const uint64_t*>(window + w.recv_flag);
+    gather.arrival.local = reinterpret_cast<ep::EpLocal*>(window + w.local);
+    gather.arrival.error_flag = p.error_flag;
+    // Below the kernels' trap deadline (kWaitTimeoutCycles), which the L1 and L2 waits behind a
+    // late row would otherwise reach first (docs/design.md, "The dispatch inside the launch").
+    gather.arrival.timeout_ns = std::min<uint64_t>(p.timeout_ns, ep::kMaxRowWaitNs);
+    gather.arrival.t_max = static_cast<int32_t>(w.t_max);
+    last_gemms_fused_ = launch_mega(l1, l2, view_.mega, stream, &gather);
+    last_dispatch_fused_ = true;
+    MEGAMOE_CHECK(last_gemms_fused_, ErrorCode::kInternal,
+                  "forward: the MegaMoE kernel declined a call its policy had taken");
+  } else if (fp8) {
     launch_rebase_rows_e4m3(window + w.recv_xq, window + w.recv_sf, view_.row_offsets,
                             view_.row_slot, num_local, s.top_k, s.hidden, max_rows_, view_.act_fp8,
                             view_.act_factor, stream, pdl, grid_rows);
@@ -506,17 +535,16 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
                   num_local, s.top_k, s.hidden, max_rows_, view_.act, stream, pdl, grid_rows);
   }
 
-  const RowsHint rows = ep_rows_hint(config_, t, g.size, max_rows_);
   // L2 (chained or in the MegaMoE kernel) writes its rows straight into their sources' combine
   // slots (l2_args: out_rows = row_dst); the return then only signals and waits.
-  if (!launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream)) {
-    launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
+  if (!gather_inside && !launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream)) {
+    launch_l1(l1, stream);
     if (fp8) {
       launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
                               s.intermediate, max_rows_, view_.h_fp8, view_.h_factor, stream, pdl,
                               grid_rows);
     }
-    launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
+    launch_l2(l2, stream);
   }
 
   ep::launch_return(p, nullptr, view_.row_offsets, view_.row_slot, stream, pdl);
@@ -597,6 +625,10 @@ class Sm90Backend final : public LayerBackend {
     return layer_.expert_rows(static_cast<cudaStream_t>(stream));
   }
   const std::shared_ptr<EpGroup>& ep_group() const override { return layer_.ep_group(); }
+  std::string last_call_kernels() const override {
+    if (!layer_.last_gemms_fused()) return "chain";
+    return layer_.last_dispatch_fused() ? "mega+dispatch" : "mega";
+  }
 
  private:
   sm90::Sm90Layer layer_;

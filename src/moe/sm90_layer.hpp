@@ -128,6 +128,8 @@ class Sm90Layer {
   // Whether the last call's two GEMMs ran in the MegaMoE kernel (launch_mega), for tests and
   // benchmarks that compare it with the chain.
   bool last_gemms_fused() const { return last_gemms_fused_; }
+  // Whether that launch also gathered the received rows (config.sm90.mega_dispatch).
+  bool last_dispatch_fused() const { return last_dispatch_fused_; }
 
   const LayerConfig& config() const { return config_; }
   const MoeWeights& weights() const { return *weights_; }
@@ -171,6 +173,7 @@ class Sm90Layer {
   TileRequest tile_;      // the exact mode's calls
   TileRequest fp8_tile_;  // the FP8 mode's: automatic, or a forced FP8 tile (config.sm90.gemm_tile)
   bool last_gemms_fused_ = false;
+  bool last_dispatch_fused_ = false;
   std::shared_ptr<EpGroup> ep_;        // null: one GPU (ep_size > 1 computes this rank's slice)
   volatile int32_t* error_flag_host_ = nullptr;  // mapped pinned host memory (DispatchParams)
   int32_t* error_flag_dev_ = nullptr;

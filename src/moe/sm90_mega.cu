@@ -43,7 +43,8 @@ int64_t mega_counters(int64_t max_rows, int num_experts) {
   return max_schedule_slots(max_rows, num_experts, block_n);
 }
 
-bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream) {
+namespace {
+MegaChoice mega_choice(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws) {
   const bool fp8 = a1.act_fp8 != nullptr;
   MEGAMOE_CHECK_ARG(fp8 == (a2.h_fp8 != nullptr),
                     "launch_mega: the FP8 mode takes L1's act_fp8 and L2's h_fp8 together, got ",
@@ -61,8 +62,19 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
                     ws.split_counters != nullptr;
   q.split_counters_capacity = ws.split_counters_capacity;
   q.split_partial_floats = ws.split_partial_floats;
-  const MegaChoice choice = fp8 ? choose_mega_fp8_tile(q, a2.intermediate, a1.tile)
-                                : choose_mega_tile(q, a2.intermediate, a2.small_scales, a1.tile);
+  return fp8 ? choose_mega_fp8_tile(q, a2.intermediate, a1.tile)
+             : choose_mega_tile(q, a2.intermediate, a2.small_scales, a1.tile);
+}
+}  // namespace
+
+bool mega_fuses(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws) {
+  return mega_choice(a1, a2, ws).fused;
+}
+
+bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream,
+                 const MegaGather* gather) {
+  const bool fp8 = a1.act_fp8 != nullptr;
+  const MegaChoice choice = mega_choice(a1, a2, ws);
   if (!choice.fused) return false;
   MegaParams mp;
   mp.l1 = l1_params(a1);
@@ -72,6 +84,22 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
     // L1's h_q / h_sf), which L2Args names as an input.
     mp.h_fp8 = const_cast<uint8_t*>(a2.h_fp8);
     mp.h_factor = const_cast<float*>(a2.h_row_factor);
+  }
+  if (gather != nullptr) {
+    const MegaGather& g = *gather;
+    MEGAMOE_CHECK_ARG(g.x_q != nullptr && g.x_sf != nullptr && g.row_slot != nullptr &&
+                          g.arrival.flags != nullptr && g.arrival.local != nullptr &&
+                          g.top_k > 0 && g.arrival.t_max > 0,
+                      "launch_mega: the gather inside the launch needs the received rows, scales, "
+                      "row_slot, arrival words, the window's state, top_k > 0 and t_max > 0");
+    MEGAMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(g.x_q) % 16 == 0 && a1.hidden % kScaleBlock == 0,
+                      "launch_mega: the gather reads 16-byte aligned rows of whole 32-groups, got "
+                      "x_q ", static_cast<const void*>(g.x_q), " and H = ", a1.hidden);
+    mp.gather = g;
+    // Its outputs are L1's B operand: what the gather or rebase launch would write.
+    mp.gather.act = fp8 ? nullptr : const_cast<uint16_t*>(a1.act);
+    mp.gather.act_fp8 = fp8 ? const_cast<uint8_t*>(a1.act_fp8) : nullptr;
+    mp.gather.act_factor = fp8 ? const_cast<float*>(a1.act_row_factor) : nullptr;
   }
   if (a1.max_rows == 0) return true;  // no rows can exist: nothing to run
   MEGAMOE_CHECK_ARG(a2.num_experts == a1.num_experts && a2.max_rows == a1.max_rows &&

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "moe/sm90_gemm.hpp"
+#include "sm90/sm90_gemm_config.hpp"  // MegaGather
 
 namespace megamoe::sm90 {
 
@@ -42,8 +43,16 @@ int64_t mega_counters(int64_t max_rows, int num_experts);
 // l1.split_k.unit_counter is required; their split_k partials are not used: ws has the fused
 // kernel's own). l1.k_splits / l2.k_splits: 0 the policy's parts, n >= 1 n parts of each tile
 // (a split tile, ws's split workspace). Asynchronous, capturable. Under expert parallelism
-// l2.out_rows sends L2's rows to their sources' combine slots, as the chained L2 does.
-bool launch_mega(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws, cudaStream_t stream);
+// l2.out_rows sends L2's rows to their sources' combine slots, as the chained L2 does, and
+// `gather` (optional: its inputs, x_q, x_sf, row_slot, arrival, top_k) gathers L1's B rows
+// (l1.act, or in the FP8 mode l1.act_fp8 / act_row_factor) from the received rows inside the
+// launch, each row once it has arrived (MegaGather; what launch_gather or
+// launch_rebase_rows_e4m3 before it would write).
+bool launch_mega(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws, cudaStream_t stream,
+                 const MegaGather* gather = nullptr);
+// Whether launch_mega with these arguments runs the kernel (the policy's choice), without
+// launching: a caller that gathers inside the launch decides its EP dispatch by it.
+bool mega_fuses(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws);
 
 // Loads every MegaMoE kernel now (see load_gemm_kernels).
 void load_mega_kernels();

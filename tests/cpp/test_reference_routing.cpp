@@ -234,6 +234,17 @@ TEST(Config, PresetsAndValidation) {
   cfg.ep_rank = 8;
   EXPECT_THROW(cfg.validate(), Error);
   cfg.ep_rank = 0;
+  // The dispatch inside the MegaMoE kernel needs the kernel.
+  cfg.sm90.mega_dispatch = true;
+  try {
+    cfg.validate();
+    FAIL() << "mega_dispatch without mega_kernel accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sm90.mega_dispatch"), std::string::npos) << e.what();
+  }
+  cfg.sm90.mega_kernel = true;
+  cfg.validate();
+  cfg.sm90 = Sm90Options{};
   cfg.ep_size = 5;  // does not divide 896
   EXPECT_THROW(cfg.validate(), Error);
   cfg.ep_size = 1;

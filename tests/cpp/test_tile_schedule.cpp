@@ -212,34 +212,46 @@ TEST(MegaSchedule, SimulationCatchesAnOrderThatDeadlocks) {
 // once on the same counters (the layer runs one). FP8 mode (`rebase` > 0): between L1's and L2's
 // units, `rebase` rebase units per slot, whose producer waits for the slot's L1 tiles and whose
 // math adds one to the slot's ready count; L2 units then wait for L1's m-tiles plus the rebase
-// units (`l2_skips_rebase`: only for L1's, the bug the check must catch). The outcome: a
-// deadlock, an L2 unit past its wait before every L1 tile (and rebase unit) of its slot has
-// ended, counters not all zero at the end, or none.
+// units (`l2_skips_rebase`: only for L1's, the bug the check must catch). The dispatch inside
+// (`gather` > 0): ahead of every L1 unit, `gather` gather units per slot, whose math ends only
+// once the slot's rows have arrived (a random step: other ranks' sends) and adds one to the
+// slot's ready count; L1 units wait for the gather units, and every later target adds them
+// (`l1_skips_gather`: L1 tiles that do not wait, the bug the check must catch). The outcome: a
+// deadlock, a unit past its wait before every unit it reads has ended, counters not all zero at
+// the end, or none.
 struct KernelRun {
   int s1 = 1, s2 = 1, grid = 8, resident = 8, launches = 1;
   bool fixed_first = false;
   int rebase = 0;
   bool l2_skips_rebase = false;
+  int gather = 0;
+  bool l1_skips_gather = false;
 };
 enum class Outcome { kOk, kDeadlock, kEarlyPass, kCountersLeftSet };
 Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
   std::mt19937 rng(seed);
   const int slots = m.num_slots();
-  const int u1 = m.l1_tiles() * k.s1;
+  const int g_units = slots * k.gather;  // gather units, then L1's [g_units, u1)
+  const int u1 = g_units + m.l1_tiles() * k.s1;
   const int l2_first = u1 + slots * k.rebase;
   const int units = l2_first + m.l2.total_tiles() * k.s2;
-  const int l2_target = m.ready_target() + (k.l2_skips_rebase ? 0 : k.rebase);
+  const int l1_target = k.l1_skips_gather ? 0 : k.gather;
+  const int rebase_target = k.gather + m.ready_target();
+  const int l2_target = rebase_target + (k.l2_skips_rebase ? 0 : k.rebase);
   std::vector<int> ready(static_cast<size_t>(slots), 0), consumed(ready.size(), 0);
   struct Launch {
     int counter = 0, exited = 0;
-    // per L1 tile; per slot (for the checks)
-    std::vector<int> parts_arrived, l1_ended, rebase_ended;
+    // per L1 tile; per slot (for the checks): units ended, the step its rows arrive
+    std::vector<int> parts_arrived, l1_ended, rebase_ended, gather_ended, rows_arrive;
   };
   std::vector<Launch> launches(static_cast<size_t>(k.launches));
   for (Launch& l : launches) {
     l.parts_arrived.assign(static_cast<size_t>(m.l1_tiles()), 0);
     l.l1_ended.assign(static_cast<size_t>(slots), 0);
     l.rebase_ended.assign(static_cast<size_t>(slots), 0);
+    l.gather_ended.assign(static_cast<size_t>(slots), 0);
+    l.rows_arrive.assign(static_cast<size_t>(slots), 0);
+    for (int& a : l.rows_arrive) a = static_cast<int>(rng() % 60);
   }
   struct Cta {
     int launch = 0, b = 0;
@@ -258,10 +270,13 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
   std::shuffle(start_order.begin(), start_order.end(), rng);
   size_t next_start = 0;
   int running = 0;
+  auto is_gather = [&](int u) { return u < g_units; };
+  auto is_l1 = [&](int u) { return u >= g_units && u < u1; };
   auto is_rebase = [&](int u) { return u >= u1 && u < l2_first; };
   auto slot_of = [&](int u) {
+    if (is_gather(u)) return u / k.gather;
     if (is_rebase(u)) return (u - u1) / k.rebase;
-    return m.slot(m.get(u < u1 ? u / k.s1 : (u - l2_first) / k.s2 + m.l1_tiles()));
+    return m.slot(m.get(is_l1(u) ? (u - g_units) / k.s1 : (u - l2_first) / k.s2 + m.l1_tiles()));
   };
   auto take = [&](Cta& c) {
     Launch& l = launches[static_cast<size_t>(c.launch)];
@@ -293,12 +308,19 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
         }
         if (c.produced >= units) {
           c.producer_done = true;
-        } else if (c.produced < u1) {
+        } else if (is_gather(c.produced)) {
           c.queue.push_back(c.produced);
           c.produced = -1;
+        } else if (is_l1(c.produced)) {
+          const size_t s = static_cast<size_t>(slot_of(c.produced));
+          if (ready[s] >= l1_target) {
+            if (l.gather_ended[s] != k.gather) early = true;
+            c.passed = true;
+            progress = true;
+          }
         } else if (is_rebase(c.produced)) {
           const size_t s = static_cast<size_t>(slot_of(c.produced));
-          if (ready[s] >= m.ready_target()) {
+          if (ready[s] >= rebase_target) {
             if (l.l1_ended[s] != m.ready_target()) early = true;
             c.passed = true;
             progress = true;
@@ -306,7 +328,10 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
         } else if (!c.passed) {
           const size_t s = static_cast<size_t>(slot_of(c.produced));
           if (ready[s] >= l2_target) {
-            if (l.l1_ended[s] != m.ready_target() || l.rebase_ended[s] != k.rebase) early = true;
+            if (l.l1_ended[s] != m.ready_target() || l.rebase_ended[s] != k.rebase ||
+                l.gather_ended[s] != k.gather) {
+              early = true;
+            }
             c.passed = true;
             progress = true;
             if (++consumed[s] == m.l2.m_tiles * k.s2) ready[s] = consumed[s] = 0;
@@ -317,15 +342,23 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
           c.produced = -1;
         }
       }
-      // math
-      if (!c.queue.empty()) {
+      // math (a gather unit's rows arrive at their step: until then it waits)
+      const bool rows_missing =
+          !c.queue.empty() && is_gather(c.queue.front()) &&
+          step < l.rows_arrive[static_cast<size_t>(slot_of(c.queue.front()))];
+      if (rows_missing) progress = true;  // the other ranks' sends go on
+      if (!c.queue.empty() && !rows_missing) {
         if (c.left == 0) c.left = 1 + static_cast<int>(rng() % 4);
         progress = true;
         if (--c.left == 0) {
           const int u = c.queue.front();
           c.queue.erase(c.queue.begin());
-          if (u < u1) {
-            const size_t t = static_cast<size_t>(u / k.s1);
+          if (is_gather(u)) {
+            const size_t s = static_cast<size_t>(slot_of(u));
+            ++ready[s];
+            ++l.gather_ended[s];
+          } else if (is_l1(u)) {
+            const size_t t = static_cast<size_t>((u - g_units) / k.s1);
             if (++l.parts_arrived[t] == k.s1) {
               l.parts_arrived[t] = 0;
               const size_t s = static_cast<size_t>(slot_of(u));
@@ -389,6 +422,33 @@ TEST(MegaSchedule, KernelProtocolWithRebaseUnitsCompletesAndCatchesAnEarlyL2) {
     }
   }
   EXPECT_GT(caught, 0) << "an L2 wait that skips the rebase units never passed early";
+}
+
+// The dispatch inside the launch (expert parallelism): gather units per slot (2 as the 128-row
+// tiles, 3 as the 192-row ones) ahead of every L1 unit, their rows arriving at random steps,
+// with split parts, FP8 rebase units and few resident CTAs: no deadlock, no L1 tile before its
+// slot's rows are gathered, counters zero; and L1 tiles that skip the wait are caught.
+TEST(MegaSchedule, KernelProtocolWithGatherUnitsCompletesAndCatchesAnEarlyL1) {
+  int caught = 0;
+  for (uint32_t seed = 1; seed <= 10; ++seed) {
+    const Problem p = make_problem(3 + static_cast<int>(seed % 11), 6, 5, seed);
+    const Mega m = p.mega();
+    for (KernelRun k : {KernelRun{1, 1, 8, 8}, KernelRun{2, 3, 16, 3}, KernelRun{1, 1, 132, 40},
+                        KernelRun{1, 1, 64, 1}}) {
+      for (int gather : {1, 2, 3}) {
+        k.gather = gather;
+        k.rebase = gather == 3 ? 3 : 0;
+        const uint32_t run_seed = seed * 37 + static_cast<uint32_t>(k.grid + gather);
+        EXPECT_EQ(simulate_kernel(m, k, run_seed), Outcome::kOk)
+            << "seed " << seed << " grid " << k.grid << " resident " << k.resident << " gather "
+            << gather;
+        k.l1_skips_gather = true;
+        caught += simulate_kernel(m, k, run_seed) == Outcome::kEarlyPass;
+        k.l1_skips_gather = false;
+      }
+    }
+  }
+  EXPECT_GT(caught, 0) << "an L1 wait that skips the gather units never passed early";
 }
 
 // The two hazards the kernel's rules avoid: a first unit fixed per CTA (as the decode GEMMs' static

@@ -16,7 +16,8 @@ namespace {
 constexpr const char* kFixedTile = "prefill_256x128_k2_staged";
 
 LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kFixedTile,
-                      Precision precision = Precision::kExact, bool mega = false) {
+                      Precision precision = Precision::kExact, bool mega = false,
+                      bool mega_dispatch = false) {
   LayerConfig c;
   c.shape = shape_preset(shape);
   c.activation = activation_preset(shape);
@@ -25,6 +26,7 @@ LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kF
   c.precision = precision;
   c.fp8_min_rows_per_expert = 0;  // with precision fp8: every call (one FP8 tile, no split-K)
   c.sm90.mega_kernel = mega;
+  c.sm90.mega_dispatch = mega_dispatch;
   return c;
 }
 
@@ -44,12 +46,15 @@ std::string describe(const std::vector<int64_t>& tokens) {
 // the rows each rank's experts received match the routing.
 void expect_equal_to_one_gpu(const char* shape, int ranks, const std::vector<int64_t>& tokens,
                              Routing routing, uint64_t seed, const char* tile = kFixedTile,
-                             Precision precision = Precision::kExact, bool mega = false) {
+                             Precision precision = Precision::kExact, bool mega = false,
+                             bool mega_dispatch = false) {
   const int64_t cap = *std::max_element(tokens.begin(), tokens.end());
-  const LayerConfig c = ep_config(shape, std::max<int64_t>(cap, 1), tile, precision, mega);
+  const LayerConfig c =
+      ep_config(shape, std::max<int64_t>(cap, 1), tile, precision, mega, mega_dispatch);
   SCOPED_TRACE(std::string(shape) + " EP=" + std::to_string(ranks) + " T=" + describe(tokens) +
                " routing " + routing_name(routing) + " tile " + tile + " precision " +
-               to_string(precision) + (mega ? " MegaMoE kernel" : ""));
+               to_string(precision) + (mega ? " MegaMoE kernel" : "") +
+               (mega_dispatch ? " with the dispatch inside" : ""));
   const EpInputs in = make_ep_inputs(c, tokens, routing, seed, 0.1);
   OneGpu one(c, in.total(), seed);
   const std::vector<uint16_t> expected = one.run(in);
@@ -60,6 +65,12 @@ void expect_equal_to_one_gpu(const char* shape, int ranks, const std::vector<int
     ep.forward();
     ep.sync();
     for (int r = 0; r < ranks; ++r) ASSERT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
+    if (mega_dispatch) {  // the kernel with its gather units on every rank that sent with
+                          // ep_send (T > 32; forced tiles), without them on the others
+      for (int r = 0; r < ranks; ++r)
+        EXPECT_EQ(ep.layer(r).last_call_kernels(), tokens[r] > 32 ? "mega+dispatch" : "mega")
+            << "rank " << r;
+    }
     const std::vector<uint16_t> y = ep.output();
     ASSERT_EQ(y.size(), expected.size());
     EXPECT_EQ(count_mismatches(y, expected), 0) << "call " << rep;
@@ -133,6 +144,36 @@ TEST(Ep, VirtualRanksMegaKernelEqualOneGpu) {
     expect_equal_to_one_gpu("small", 8, {64, 3, 0, 200, 7, 0, 1, 40}, routing, seed++,
                             "fp8_256x128_k2_staged", Precision::kFp8, true);
   }
+}
+
+// The dispatch inside the MegaMoE kernel (LayerConfig::sm90.mega_dispatch), on the ranks that send
+// with ep_send (T > 32): the dispatch kernel sorts once every rank's slot ids are in, and the
+// kernel's gather units take each received row once its arrival word is there, while the ranks
+// above the fused-send size still send theirs; R persistent kernels waiting for rows on one GPU,
+// mixed with ranks that gather by launch, equal to EP = 1 bit for bit on the decode, prefill and
+// FP8 tiles.
+TEST(Ep, VirtualRanksMegaDispatchEqualOneGpu) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 3700;
+  auto run = [&](const char* shape, int ranks, const std::vector<int64_t>& tokens, Routing routing,
+                 const char* tile, Precision precision) {
+    expect_equal_to_one_gpu(shape, ranks, tokens, routing, seed++, tile, precision, true, true);
+  };
+  for (Routing routing : {Routing::kUniform, Routing::kSkewed, Routing::kAdversarial}) {
+    run("small", 2, {37, 64}, routing, "decode_128x16_k2_warp", Precision::kExact);
+    run("small", 8, {16, 3, 0, 64, 7, 0, 1, 40}, routing, "decode_128x8_k4_warp", Precision::kExact);
+  }
+  run("kimi-k3", 8, {33, 40, 33, 64, 48, 33, 33, 33}, Routing::kUniform, "decode_128x16_k2_warp",
+      Precision::kExact);
+  for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
+    run("small", 2, {300, 513}, routing, "prefill_128x192_async", Precision::kExact);
+    run("small", 8, {64, 3, 0, 200, 7, 0, 1, 40}, routing, "prefill_256x64_k2_async", Precision::kExact);
+    run("small", 4, {100, 0, 257, 64}, routing, "prefill_256x128_k2_staged", Precision::kExact);
+    run("small", 2, {300, 513}, routing, "fp8_128x192_k2_async", Precision::kFp8);
+    run("small", 8, {64, 3, 0, 200, 7, 0, 1, 40}, routing, "fp8_256x128_k2_staged", Precision::kFp8);
+  }
+  run("deepseek-v3", 8, {256, 100, 0, 64, 300, 17, 64, 2}, Routing::kUniform,
+      "prefill_256x128_k2_staged", Precision::kExact);
 }
 
 TEST(Ep, VirtualRanksAllEmpty) {
@@ -296,12 +337,14 @@ TEST(Ep, MissingRankTimesOut) {
 // equal eager calls; the call counter lives on the device, so replays keep the protocol going.
 // mega: the MegaMoE kernel (its rows straight into the sources' combine slots, the return only
 // signalling) where its policy takes the call.
-void expect_graph_replay_equals_eager(bool mega) {
-  SCOPED_TRACE(mega ? "MegaMoE kernel" : "chain");
-  const LayerConfig c = ep_config("small", 32, "auto", Precision::kExact, mega);
+void expect_graph_replay_equals_eager(bool mega, bool mega_dispatch = false) {
+  SCOPED_TRACE(mega_dispatch ? "MegaMoE kernel with the dispatch inside" : mega ? "MegaMoE kernel" : "chain");
+  const LayerConfig c = ep_config("small", 48, mega_dispatch ? "decode_128x16_k2_warp" : "auto",
+                                  Precision::kExact, mega, mega_dispatch);
   const int ranks = 4;
-  const EpInputs a = make_ep_inputs(c, {32, 5, 0, 17}, Routing::kSkewed, 1000);
-  const EpInputs b = make_ep_inputs(c, {32, 5, 0, 17}, Routing::kUniform, 1001);
+  // (48: a rank sending with ep_send, and with the dispatch inside gathering in the kernel)
+  const EpInputs a = make_ep_inputs(c, {48, 5, 0, 17}, Routing::kSkewed, 1000);
+  const EpInputs b = make_ep_inputs(c, {48, 5, 0, 17}, Routing::kUniform, 1001);
   EpRanks ep(c, ranks, 1000);
   ep.upload(a);
   ep.forward();
@@ -324,6 +367,9 @@ void expect_graph_replay_equals_eager(bool mega) {
     }
     for (int r = 0; r < ranks; ++r) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(origin, events[r]));
   });
+  if (mega_dispatch) {
+    EXPECT_EQ(ep.layer(0).last_call_kernels(), "mega+dispatch") << "the captured call of rank 0";
+  }
   for (int rep = 0; rep < 3; ++rep) {
     for (const EpInputs* in : {&a, &b}) {
       ep.upload(*in);
@@ -340,6 +386,7 @@ TEST(Ep, GraphCaptureReplayEqualsEager) {
   MEGAMOE_REQUIRE_SM90();
   expect_graph_replay_equals_eager(false);
   expect_graph_replay_equals_eager(true);
+  expect_graph_replay_equals_eager(true, true);
 }
 
 // Invalid expert ids on one rank are reported by that rank (token and slot), count as empty,
@@ -401,11 +448,11 @@ TEST(EpNccl, OneRankEqualsPlainLayer) {
                 "(put a newer one first on LD_LIBRARY_PATH)\n");
     GTEST_SKIP() << "no usable libnccl";
   }
-  for (bool mega : {false, true}) {
-    SCOPED_TRACE(mega ? "MegaMoE kernel" : "chain");
-    expect_nccl_one_rank_equals_plain(mega ? ep_config("small", 64, "decode_128x16_k2_warp",
-                                                       Precision::kExact, true)
-                                           : ep_config("small", 64));
+  for (int mode = 0; mode < 3; ++mode) {  // chain, MegaMoE kernel, and with the dispatch inside
+    SCOPED_TRACE(mode == 0 ? "chain" : mode == 1 ? "MegaMoE kernel" : "MegaMoE dispatch");
+    expect_nccl_one_rank_equals_plain(mode == 0 ? ep_config("small", 64)
+                                                : ep_config("small", 64, "decode_128x16_k2_warp",
+                                                            Precision::kExact, true, mode == 2));
   }
 }
 

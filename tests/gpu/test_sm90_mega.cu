@@ -7,12 +7,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "ep/ep_protocol.hpp"
 #include "megamoe/buffer.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/formats.hpp"
@@ -255,6 +257,188 @@ TEST(Sm90Mega, Fp8EqualsTheChainOnTheSameTileBitForBit) {
         EXPECT_TRUE(mega.all_zero()) << at << ": counters left set";
       }
     }
+  }
+}
+
+// The dispatch inside the launch (expert parallelism; sm90::MegaGather): received token rows
+// (E4M3 codes, UE8M0 scales) of R * T_max tokens, each routed row naming its token place in
+// row_slot, arrival words set to the call number, and the window's state (call number, error
+// record) in device memory.
+struct Received {
+  static constexpr int kTopK = 4, kTMax = 64, kRanks = 4;
+  static constexpr int64_t kTokens = int64_t{kRanks} * kTMax;
+  Buffer x_q, x_sf, row_slot, flags, local;
+  std::vector<uint64_t> host_flags;
+  Received(int64_t rows, uint64_t call, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint8_t> q(static_cast<size_t>(kTokens * kH)), sf(static_cast<size_t>(kTokens * kH / 32));
+    for (auto& b : q) {
+      do b = static_cast<uint8_t>(rng()); while ((b & 0x7F) == 0x7F);  // finite E4M3 codes
+    }
+    for (auto& b : sf) b = static_cast<uint8_t>(120 + rng() % 12);
+    std::vector<int32_t> slots(static_cast<size_t>(kMaxRows), 0);
+    for (int64_t r = 0; r < rows; ++r) slots[r] = static_cast<int32_t>(rng() % (kTokens * kTopK));
+    host_flags.assign(static_cast<size_t>(kTokens), call);
+    x_q = to_device(q);
+    x_sf = to_device(sf);
+    row_slot = to_device(slots);
+    flags = to_device(host_flags);
+    ep::EpLocal state{};
+    state.call = call;
+    local = Buffer(sizeof state, Device::cuda());
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(local.data(), &state, sizeof state, cudaMemcpyHostToDevice));
+  }
+  sm90::MegaGather gather(uint64_t timeout_ns = 2'000'000'000ull) {
+    sm90::MegaGather g;
+    g.x_q = x_q.as<uint8_t>();
+    g.x_sf = x_sf.as<uint8_t>();
+    g.row_slot = row_slot.as<int32_t>();
+    g.top_k = kTopK;
+    g.arrival.flags = flags.as<uint64_t>();
+    g.arrival.local = static_cast<ep::EpLocal*>(local.data());
+    g.arrival.timeout_ns = timeout_ns;
+    g.arrival.t_max = kTMax;
+    return g;
+  }
+  ep::EpLocal state() const {
+    ep::EpLocal s{};
+    MEGAMOE_CUDA_CHECK(cudaMemcpy(&s, local.data(), sizeof s, cudaMemcpyDeviceToHost));
+    return s;
+  }
+};
+
+// The gather units write L1's B rows from the received rows as the gather launch (exact mode) or
+// the rebase launch (FP8 mode) does, so every output equals gather (or rebase) + L1 + L2 (+ the
+// rebase of h) on the same tile bit for bit; counters left zero, no error recorded.
+TEST(Sm90Mega, GatherInsideEqualsTheGatherLaunchBitForBit) {
+  MEGAMOE_REQUIRE_SM90();
+  const SplitWorkspace split(4096, int64_t(4096) * sm90::kMaxKSplits * 2048);
+  MegaBuffers mega(kMaxRows, kMaxE);
+  constexpr int64_t slack_rows = kMaxRows + sm90::kRowSlack;
+  const std::vector<std::vector<int>> routings = {{1, 0, 1, 1, 0, 0, 1, 0},
+                                                  {40, 0, 17, 1, 64, 33, 0, 2},
+                                                  {200, 0, 130, 1, 181}};
+  struct Case {
+    const char* tile;
+    int splits;
+    bool fp8;
+  };
+  const Case cases[] = {{"decode_128x16_k2_warp", 0, false}, {"decode_128x8_k4_warp_splitk", 2, false},
+                        {"prefill_128x192_async", 0, false}, {"prefill_256x64_k2_async", 0, false},
+                        {"prefill_256x128_k2_staged", 0, false}, {"fp8_128x192_k2_async", 0, true},
+                        {"fp8_256x128_k2_staged", 0, true}};
+  uint64_t seed = 4300;
+  for (const auto& counts : routings) {
+    const Problem p = make_problem(counts, seed);
+    const int64_t rows = p.host_offsets.back();
+    Received rx(rows, 7, seed++);
+    Buffer w13_exp(int64_t(p.experts) * 2 * kI, Device::cuda()), w2_exp(int64_t(p.experts) * kH, Device::cuda());
+    sm90::weight_row_exponents(p.w13_sf.as<uint8_t>(), p.experts, 2 * kI, kH, w13_exp.as<uint8_t>(), nullptr);
+    sm90::weight_row_exponents(p.w2_sf.as<uint8_t>(), p.experts, kH, kI, w2_exp.as<uint8_t>(), nullptr);
+    for (const Case& c : cases) {
+      const std::string what = std::string(c.tile) + " rows " + std::to_string(rows);
+      struct Run {
+        Outputs o;
+        Buffer act{slack_rows * kH * 2, Device::cuda()};
+        Buffer act8{slack_rows * kH, Device::cuda()}, act_f{slack_rows * 4, Device::cuda()};
+        Buffer h8{slack_rows * kI, Device::cuda()}, hf{slack_rows * 4, Device::cuda()};
+        void poison() {
+          o.poison();
+          for (Buffer* b : {&act, &act8, &act_f, &h8, &hf})
+            MEGAMOE_CUDA_CHECK(cudaMemset(b->data(), 0x7E, b->size()));
+        }
+      } chain_run, mega_run;
+      auto args = [&](Run& run, int splits) {
+        Args a = make_args(p, run.o, c.tile, splits, splits, split.ws);
+        a.l1.act = run.act.as<uint16_t>();
+        if (c.fp8) {
+          a.l1.act = nullptr;
+          a.l1.h_act = nullptr;
+          a.l1.act_fp8 = run.act8.as<uint8_t>();
+          a.l1.act_row_factor = run.act_f.as<float>();
+          a.l1.w13_row_exp = w13_exp.as<uint8_t>();
+          a.l2.h_act = nullptr;
+          a.l2.h_fp8 = run.h8.as<uint8_t>();
+          a.l2.h_row_factor = run.hf.as<float>();
+          a.l2.w2_row_exp = w2_exp.as<uint8_t>();
+        }
+        return a;
+      };
+      chain_run.poison();
+      const Args chain = args(chain_run, std::max(c.splits, 1));
+      if (c.fp8) {
+        sm90::launch_rebase_rows_e4m3(rx.x_q.as<uint8_t>(), rx.x_sf.as<uint8_t>(), p.offsets.as<int32_t>(),
+                                      rx.row_slot.as<int32_t>(), p.experts, Received::kTopK, kH, kMaxRows,
+                                      chain_run.act8.as<uint8_t>(), chain_run.act_f.as<float>(), nullptr);
+        sm90::launch_l1(chain.l1, nullptr);
+        sm90::launch_rebase_rows_e4m3(chain.l1.h_q, chain.l1.h_sf, p.offsets.as<int32_t>(), nullptr,
+                                      p.experts, 0, kI, kMaxRows, chain_run.h8.as<uint8_t>(),
+                                      chain_run.hf.as<float>(), nullptr);
+      } else {
+        sm90::launch_gather(rx.x_q.as<uint8_t>(), rx.x_sf.as<uint8_t>(), p.offsets.as<int32_t>(),
+                            rx.row_slot.as<int32_t>(), p.experts, Received::kTopK, kH, kMaxRows,
+                            chain_run.act.as<uint16_t>(), nullptr);
+        sm90::launch_l1(chain.l1, nullptr);
+      }
+      sm90::launch_l2(chain.l2, nullptr);
+      MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+      for (int call = 0; call < 2; ++call) {
+        const std::string at = what + " call " + std::to_string(call);
+        mega_run.poison();
+        const Args fused = args(mega_run, c.splits);
+        const sm90::MegaGather g = rx.gather();
+        ASSERT_TRUE(sm90::launch_mega(fused.l1, fused.l2, mega.ws, nullptr, &g)) << at;
+        MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+        if (c.fp8) {
+          EXPECT_EQ(to_host<uint8_t>(mega_run.act8, rows * kH), to_host<uint8_t>(chain_run.act8, rows * kH)) << at << ": act_fp8";
+          EXPECT_EQ(to_host<float>(mega_run.act_f, rows), to_host<float>(chain_run.act_f, rows)) << at << ": act_factor";
+          EXPECT_EQ(to_host<uint8_t>(mega_run.h8, rows * kI), to_host<uint8_t>(chain_run.h8, rows * kI)) << at << ": h_fp8";
+          EXPECT_EQ(to_host<uint8_t>(mega_run.o.h_q, rows * kI), to_host<uint8_t>(chain_run.o.h_q, rows * kI)) << at << ": h_q";
+          EXPECT_EQ(to_host<uint16_t>(mega_run.o.out, rows * kH), to_host<uint16_t>(chain_run.o.out, rows * kH)) << at << ": out";
+        } else {
+          EXPECT_EQ(to_host<uint16_t>(mega_run.act, rows * kH), to_host<uint16_t>(chain_run.act, rows * kH)) << at << ": act";
+          expect_equal(mega_run.o, chain_run.o, rows, at);
+        }
+        EXPECT_TRUE(mega.all_zero()) << at << ": counters left set";
+        EXPECT_EQ(rx.state().status.code, 0) << at << ": an error was recorded";
+      }
+    }
+  }
+}
+
+// A row whose arrival word never comes: the gather unit gives up after the timeout, records
+// kTimeout in stage dispatch naming the source rank, marks the window broken, and the launch
+// still completes (no hang, no trap), its counters left zero; the next launch on the broken
+// window does not wait again.
+TEST(Sm90Mega, GatherWaitTimesOutAndRecordsTheSource) {
+  MEGAMOE_REQUIRE_SM90();
+  const SplitWorkspace split(4096, int64_t(4096) * 2048);
+  MegaBuffers mega(kMaxRows, kMaxE);
+  const Problem p = make_problem({40, 0, 17, 1, 64, 33, 0, 2}, 4400);
+  const int64_t rows = p.host_offsets.back();
+  Received rx(rows, 9, 4400);
+  const int32_t late_place = to_host<int32_t>(rx.row_slot, rows)[rows / 2];
+  const int64_t late_token = late_place / Received::kTopK;
+  rx.host_flags[late_token] = 8;  // the previous call's word
+  MEGAMOE_CUDA_CHECK(cudaMemcpy(rx.flags.data(), rx.host_flags.data(), rx.host_flags.size() * 8,
+                                cudaMemcpyHostToDevice));
+  Outputs o;
+  const Args a = make_args(p, o, "decode_128x16_k2_warp", 0, 0, split.ws);
+  const sm90::MegaGather g = rx.gather(20'000'000);  // 20 ms
+  for (int call = 0; call < 2; ++call) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(sm90::launch_mega(a.l1, a.l2, mega.ws, nullptr, &g));
+    MEGAMOE_CUDA_CHECK(cudaDeviceSynchronize());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT(s, 2.0) << "call " << call;
+    const ep::EpLocal st = rx.state();
+    EXPECT_EQ(st.status.code, static_cast<int32_t>(ep::StatusCode::kTimeout));
+    EXPECT_EQ(st.status.stage, static_cast<int32_t>(ep::Stage::kDispatch));
+    EXPECT_EQ(st.status.peer, late_token / Received::kTMax);
+    EXPECT_EQ(st.status.expected, 9u);
+    EXPECT_EQ(st.status.observed, 8u);
+    EXPECT_EQ(st.broken, 1u);
+    EXPECT_TRUE(mega.all_zero()) << "call " << call << ": counters left set";
   }
 }
 

@@ -357,6 +357,11 @@ def test_hopper_options_are_layer_options():
     cfg.decode_front = False
     assert "decode_front=False" in repr(cfg)
     assert not megamoe.LayerConfig("small", decode_front=False).decode_front
+    assert not cfg.mega_dispatch and "mega_dispatch" not in repr(cfg)
+    both = megamoe.LayerConfig("small", mega_kernel=True, mega_dispatch=True)
+    assert both.mega_dispatch and "mega_dispatch=True" in repr(both)
+    with pytest.raises(megamoe.InvalidArgumentError, match="needs sm90.mega_kernel"):
+        megamoe.LayerConfig("small", mega_dispatch=True)  # the dispatch inside needs the kernel
     with pytest.raises(megamoe.InvalidArgumentError, match="decode_128x16_k2_warp"):
         megamoe.LayerConfig("small", gemm_tile="decode")  # names the tiles it accepts
     with pytest.raises(megamoe.InvalidArgumentError, match="gated, bound or expected"):
