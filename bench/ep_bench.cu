@@ -6,10 +6,16 @@
 //              targets.md: CUDA-graph replays, same weights, same inputs, same run
 //   exchange   R virtual ranks' dispatch (send + row lists) and dispatch + return, without the
 //              GEMMs: bytes moved per second against the copy ceiling of the same run
+//   ranks      (MEGAMOE_BENCH_VIRTUAL_TOKENS set) R virtual ranks' whole layer calls in one
+//              graph, per EP config, each rank T tokens: the time of all R calls
 //
 // Environment: MEGAMOE_BENCH_SHAPES (default "kimi-k3,deepseek-v3"), MEGAMOE_BENCH_TOKENS (default
-// "1,8,64,512,4096,8192"), MEGAMOE_BENCH_RANKS (exchange, default 8), MEGAMOE_BENCH_EXCHANGE_TOKENS
-// (default "64,512,4096"), MEGAMOE_BENCH_TRANSPORTS (overhead, default "nccl,virtual").
+// "1,8,64,512,4096,8192"), MEGAMOE_BENCH_RANKS (exchange and ranks, default 8),
+// MEGAMOE_BENCH_EXCHANGE_TOKENS (default "64,512,4096"), MEGAMOE_BENCH_TRANSPORTS (overhead,
+// default "nccl,virtual"), MEGAMOE_BENCH_EP_CONFIGS (overhead and ranks: the EP layer's configs,
+// default "chain"; any of chain, mega, mega_dispatch: LayerConfig::sm90.mega_kernel and
+// mega_dispatch), MEGAMOE_BENCH_TILE (default "auto": LayerConfig::sm90.gemm_tile),
+// MEGAMOE_BENCH_VIRTUAL_TOKENS (ranks: tokens per rank, default none: not run).
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -23,6 +29,7 @@
 #include "megamoe/ep.hpp"
 #include "megamoe/layer.hpp"
 #include "megamoe/weights.hpp"
+#include "ep_test_util.hpp"
 #include "runtime/random.hpp"
 #include "sm90_test_util.hpp"
 
@@ -43,6 +50,14 @@ LayerConfig config_for(const std::string& shape, int64_t capacity) {
   c.shape = shape_preset(shape);
   c.activation = activation_preset(shape);
   c.max_tokens_per_rank = capacity;
+  return c;
+}
+
+// An EP layer's config by name (MEGAMOE_BENCH_EP_CONFIGS) and the tile of MEGAMOE_BENCH_TILE.
+LayerConfig ep_variant(LayerConfig c, const std::string& name) {
+  c.sm90.gemm_tile = list_env("MEGAMOE_BENCH_TILE", "auto").front();
+  c.sm90.mega_kernel = name == "mega" || name == "mega_dispatch";
+  c.sm90.mega_dispatch = name == "mega_dispatch";
   return c;
 }
 
@@ -100,24 +115,69 @@ void overhead(const std::string& shape, const std::vector<int64_t>& tokens) {
     } else {
       group = EpGroup::create_virtual(1, c).front();
     }
-    MoeLayer with_ep(c, synthetic_weights(c, 1), group, "sm90");
-    for (int64_t t : tokens) {
-      Inputs in = make_inputs(c, t, 100 + t);
-      const double plain_us = time_layer(plain, c, in, t);
-      const std::vector<uint16_t> y_plain = in.y.download();
-      const double ep_us = time_layer(with_ep, c, in, t);
-      const std::vector<uint16_t> y_ep = in.y.download();
-      const double plain_again_us = time_layer(plain, c, in, t);
-      int64_t mismatches = 0;
-      for (size_t i = 0; i < y_plain.size(); ++i) mismatches += y_plain[i] != y_ep[i];
-      std::printf("{\"bench\": \"ep_overhead\", \"shape\": \"%s\", \"tokens\": %lld, "
-                  "\"transport\": \"%s\", \"plain_us\": %.2f, \"plain_again_us\": %.2f, "
-                  "\"ep_us\": %.2f, \"overhead_us\": %.2f, \"mismatches\": %lld}\n",
-                  shape.c_str(), static_cast<long long>(t), transport.c_str(), plain_us,
-                  plain_again_us, ep_us, ep_us - std::min(plain_us, plain_again_us),
-                  static_cast<long long>(mismatches));
-      std::fflush(stdout);
+    for (const auto& variant : list_env("MEGAMOE_BENCH_EP_CONFIGS", "chain")) {
+      const LayerConfig cv = ep_variant(c, variant);
+      MoeLayer with_ep(cv, synthetic_weights(cv, 1), group, "sm90");
+      for (int64_t t : tokens) {
+        Inputs in = make_inputs(c, t, 100 + t);
+        const double plain_us = time_layer(plain, c, in, t);
+        const std::vector<uint16_t> y_plain = in.y.download();
+        const double ep_us = time_layer(with_ep, cv, in, t);
+        const std::vector<uint16_t> y_ep = in.y.download();
+        const double plain_again_us = time_layer(plain, c, in, t);
+        int64_t mismatches = 0;
+        for (size_t i = 0; i < y_plain.size(); ++i) mismatches += y_plain[i] != y_ep[i];
+        std::printf("{\"bench\": \"ep_overhead\", \"shape\": \"%s\", \"tokens\": %lld, "
+                    "\"transport\": \"%s\", \"config\": \"%s\", \"kernels\": \"%s\", "
+                    "\"plain_us\": %.2f, \"plain_again_us\": %.2f, \"ep_us\": %.2f, "
+                    "\"overhead_us\": %.2f, \"mismatches\": %lld}\n",
+                    shape.c_str(), static_cast<long long>(t), transport.c_str(), variant.c_str(),
+                    with_ep.last_call_kernels().c_str(), plain_us, plain_again_us, ep_us,
+                    ep_us - std::min(plain_us, plain_again_us), static_cast<long long>(mismatches));
+        std::fflush(stdout);
+      }
     }
+  }
+}
+
+// R virtual ranks' layer calls (T tokens each, uniform routing) captured in one graph (a fork /
+// join over their streams), per EP config: the time of the R calls sharing the GPU, and whether
+// every config gives the first one's outputs.
+void virtual_ranks(const std::string& shape, int ranks, int64_t t) {
+  std::vector<uint16_t> first;
+  for (const auto& variant : list_env("MEGAMOE_BENCH_EP_CONFIGS", "chain")) {
+    const LayerConfig c = ep_variant(config_for(shape, t), variant);
+    test::EpRanks ep(c, ranks, 1);
+    ep.upload(test::make_ep_inputs(c, std::vector<int64_t>(static_cast<size_t>(ranks), t),
+                                   test::Routing::kUniform, 700));
+    ep.forward();
+    ep.sync();
+    const std::string kernels = ep.layer(0).last_call_kernels();
+    Stream origin;
+    std::vector<cudaEvent_t> ev(static_cast<size_t>(ranks) + 1);
+    for (auto& x : ev) MEGAMOE_CUDA_CHECK(cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
+    StreamGraph graph(origin, [&] {
+      MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[ranks], origin));
+      for (int r = 0; r < ranks; ++r) {
+        MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(ep.stream(r), ev[ranks]));
+        ep.forward_rank(r);
+        MEGAMOE_CUDA_CHECK(cudaEventRecord(ev[r], ep.stream(r)));
+      }
+      for (int r = 0; r < ranks; ++r) MEGAMOE_CUDA_CHECK(cudaStreamWaitEvent(origin, ev[r]));
+    });
+    const double us = time_graph_launches(graph, origin, 1, 7).median_us;
+    for (int r = 0; r < ranks; ++r) ep.layer(r).check_errors(ep.stream(r));
+    const std::vector<uint16_t> y = ep.output();
+    if (first.empty()) first = y;
+    int64_t mismatches = 0;
+    for (size_t i = 0; i < y.size(); ++i) mismatches += y[i] != first[i];
+    for (auto& x : ev) cudaEventDestroy(x);
+    std::printf("{\"bench\": \"ep_virtual_ranks\", \"shape\": \"%s\", \"ranks\": %d, "
+                "\"tokens_per_rank\": %lld, \"config\": \"%s\", \"kernels\": \"%s\", "
+                "\"us\": %.2f, \"mismatches_vs_first\": %lld}\n",
+                shape.c_str(), ranks, static_cast<long long>(t), variant.c_str(), kernels.c_str(),
+                us, static_cast<long long>(mismatches));
+    std::fflush(stdout);
   }
 }
 
@@ -235,6 +295,8 @@ int main() {
     bench::overhead(shape, tokens);
     for (const auto& t : bench::list_env("MEGAMOE_BENCH_EXCHANGE_TOKENS", "64,512,4096"))
       bench::exchange(shape, ranks, std::stoll(t), copy_tbs);
+    for (const auto& t : bench::list_env("MEGAMOE_BENCH_VIRTUAL_TOKENS", ""))
+      bench::virtual_ranks(shape, ranks, std::stoll(t));
   }
   return 0;
 }

@@ -389,6 +389,10 @@ def parse_args(argv=None):
                     help="every layer with the MegaMoE kernel (LayerConfig(mega_kernel=True): "
                          "both GEMMs of decode calls in one launch; run the command with and "
                          "without it)")
+    ap.add_argument("--mega-dispatch", action="store_true",
+                    help="with --mega: the dispatch inside the MegaMoE kernel "
+                         "(LayerConfig(mega_dispatch=True): each received row gathered as it "
+                         "arrives; run the command with --mega alone and with both)")
     ap.add_argument("--out", default="/tmp/ep_multi")
     args = ap.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
@@ -397,6 +401,8 @@ def parse_args(argv=None):
     bad = set(args.steps) - {"correctness", "perf"}
     if bad:
         ap.error(f"unknown steps {sorted(bad)}")
+    if args.mega_dispatch and not args.mega:
+        ap.error("--mega-dispatch needs --mega")
     return args
 
 
@@ -464,9 +470,11 @@ class Child:
         if ep:
             return self.mm.LayerConfig(shape, ep_size=self.ranks, ep_rank=self.rank,
                                        max_tokens_per_rank=cap, gemm_tile=tile,
-                                       precision=self.args.precision, mega_kernel=self.args.mega)
+                                       precision=self.args.precision, mega_kernel=self.args.mega,
+                                       mega_dispatch=self.args.mega_dispatch)
         return self.mm.LayerConfig(shape, max_tokens_per_rank=cap, gemm_tile=tile,
-                                   precision=self.args.precision, mega_kernel=self.args.mega)
+                                   precision=self.args.precision, mega_kernel=self.args.mega,
+                                   mega_dispatch=self.args.mega_dispatch)
 
     # -- correctness
     def correctness(self, shape):
@@ -698,7 +706,8 @@ class Child:
         # (its rule sees T*K/E_l rows per expert, as the EP layer's T x R does)
         one_cfg = mm.LayerConfig(mm.LayerShape(sh.hidden, sh.intermediate, e_local, sh.top_k),
                                  activation=base_cfg.activation, max_tokens_per_rank=tmax,
-                                 precision=self.args.precision, mega_kernel=self.args.mega)
+                                 precision=self.args.precision, mega_kernel=self.args.mega,
+                                 mega_dispatch=self.args.mega_dispatch)
         one = mm.MoELayer(one_cfg, mm.synthetic_weights(one_cfg, SEED), backend="sm90")
         self.emit(kind="built", shape=shape, step="perf", max_recv_rows=rows)
         for t in self.args.tokens:
