@@ -199,6 +199,8 @@ TEST_F(Cli, EpFlagsAreValidated) {
       {"run --ep-size 2 --ep-max-recv-rows -1", "--ep-max-recv-rows must be >= 0 (0 = the worst case), got -1"},
       {"model --ep-size 3", "ep_size 3 must divide num_experts 32"},
       {"model --ep-size 0", "model: ep_size must be >= 1, got 0"},
+      {"run --ep-size 2 --mega-dispatch",
+       "sm90.mega_dispatch (the dispatch inside the MegaMoE kernel) needs sm90.mega_kernel"},
   };
   for (const auto& [args, fragment] : cases) {
     SCOPED_TRACE(args);
@@ -225,7 +227,8 @@ TEST_F(Cli, HelpDocumentsEveryOption) {
                           "--ep-size", "--ep-rank", "--routing", "--bias", "--capacity", "--warmup",
                           "--iters", "--threads", "--no-check", "--max-diff", "--json", "--hidden",
                           "--intermediate", "--experts", "--top-k", "--ep-timeout",
-                          "--ep-max-recv-rows", "virtual ranks", "On the cpu backend"})
+                          "--ep-max-recv-rows", "--mega", "--mega-dispatch", "virtual ranks",
+                          "On the cpu backend"})
     EXPECT_NE(r.output.find(opt), std::string::npos) << opt << " undocumented:\n" << r.output;
   r = run_cli("model --help");
   EXPECT_EQ(r.exit_code, 0);
