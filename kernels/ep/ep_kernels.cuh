@@ -1,23 +1,29 @@
 // ep_kernels.cuh: the expert-parallel stages of a layer call (docs/design.md, "Expert
 // parallelism"); the window layout and parameter block are in ep/ep_protocol.hpp.
 //
-//   ep_send         every source token to the ranks owning its experts; publishes dispatch_sig
-//                   (small calls: ep_dispatch quantizes and sends, the layer's quantize launch
-//                   and this one are not made)
-//   ep_dispatch     waits for every rank's dispatch_sig, then the per-local-expert row lists of
-//                   the received slots (the counting sort of sm90_dispatch.cuh)
-//   (gather, L1, L2 of the layer, reading the received rows)
+//   ep_send         every source token's slot ids to every rank, then dispatch_sig; its row to the
+//                   ranks owning its experts (and, EpParams::row_flags, an arrival word per row),
+//                   then rows_sig (small calls: ep_dispatch quantizes and sends, the layer's
+//                   quantize launch and this one are not made)
+//   ep_dispatch     waits for every rank's dispatch_sig (not for ep_send's end: it sorts while the
+//                   rows travel), then the per-local-expert row lists of the received slots (the
+//                   counting sort of sm90_dispatch.cuh), then (wait_rows) every rank's rows_sig
+//   (gather, L1, L2 of the layer, reading the received rows; or the MegaMoE kernel gathering
+//   each row once its arrival word is in)
 //   ep_return       every computed row to its source rank's combine slot; publishes return_sig;
-//                   its last CTA then waits for every rank's return_sig
+//                   its last CTA then waits for every rank's return_sig and this rank's rows_sig
 //   (combine of the layer, over this rank's combine slots)
 //
 // Ordering: data is written with plain stores (to a peer: over NVLink), then each CTA fences at
 // system scope and takes a ticket; the CTA that takes the last ticket fences again and publishes
 // the signal words with release stores. A waiter reads a signal with acquire loads. Only one CTA
-// of a kernel ever spins (ep_dispatch's, ep_return's last). With several ranks on one GPU it lets
-// the successor launch (PDL) only after its wait, so a waiting rank never holds more than one
-// CTA's resources and the rank it waits for can always run; alone on its GPU
-// (EpParams::early_launch) it lets it launch at once.
+// of these kernels ever spins (ep_dispatch's, ep_return's last). With several ranks on one GPU it
+// lets the successor launch (PDL) only after its wait for the other ranks' dispatch_sig (or
+// return_sig), so a waiting rank never holds more than one CTA's resources while a rank it waits
+// for may still have to start; the later wait for rows_sig may hold the successor's CTAs on the
+// SMs, which is safe: every ep_send CTA took its first ticket before dispatch_sig was published,
+// so every CTA that writes a row is already running. Alone on its GPU (EpParams::early_launch) it
+// lets the successor launch at once.
 #pragma once
 
 #include <cstdint>
@@ -201,8 +207,11 @@ __device__ inline void send_token_rows(const EpParams& p, const SendArgs& a, int
       warp_copy<kCopyBatch>(dst, row, H / 16, lane);
       uint8_t* dst_sf = region<uint8_t>(p.peers[d], L.recv_sf) + (src_token0 + t) * sf_row;
       warp_copy<kCopyBatch>(dst_sf, sf, sf_row, lane);
-      __syncwarp();
-      if (lane == 0) st_release_sys(region<uint64_t>(p.peers[d], L.recv_flag) + src_token0 + t, call);
+      if (p.row_flags) {
+        __syncwarp();
+        if (lane == 0)
+          st_release_sys(region<uint64_t>(p.peers[d], L.recv_flag) + src_token0 + t, call);
+      }
     }
   }
 }
@@ -251,7 +260,7 @@ __device__ inline void quantize_send_token(const EpParams& p, const SendArgs& a,
   // The token's arrival word on every owner (recv_flag, as send_token_rows): the barrier orders
   // the CTA's stores before thread 0's release.
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && p.row_flags) {
     for (unsigned long long m = mask; m != 0; m &= m - 1) {
       const int d = __ffsll(static_cast<long long>(m)) - 1;
       st_release_sys(region<uint64_t>(p.peers[d], L.recv_flag) + at, call);
@@ -305,24 +314,41 @@ ep_send_kernel(const EpParams p, const SendArgs a) {
   if (last_cta(&me->rows_ticket) && threadIdx.x == 0) publish_rows(p, call);
 }
 
-// The received slots of the current call, token-major: v = (t * R + s) * K + k for t below the
-// largest T of the call, slot k of source s's token t (id -1 where s sent fewer tokens), so each
-// expert's rows come in ascending token order across the sources: the order in which the senders'
-// warps deliver them (the MegaMoE kernel's gather units then find a slot's first rows early). A
-// slot's row_slot value is its place in recv_idx: (s*T_max + t)*K + k, so row_slot / K is the
-// token's row in recv_xq and recv_flag (what the gather reads). R * T_max * K < 2^31 (EpGroup).
+// The received slots of the current call. Source-major (the chained gather): source s's tokens
+// [0, T_s) with K slots each, v = (prefix[s] + t) * K + k. Token-major (token_major: the MegaMoE
+// kernel gathers as rows arrive): v = (t * R + s) * K + k for t below the largest T of the call,
+// id -1 where s sent fewer tokens, so each expert's rows come in ascending token order across the
+// sources, roughly the order in which the senders' warps deliver them. A slot's row_slot value
+// is its place in recv_idx, (s*T_max + t)*K + k, so row_slot / K is the token's row in recv_xq
+// and recv_flag (what the gather reads). R * T_max * K < 2^31 (EpGroup).
 struct ReceivedSlots {
   static constexpr bool kRecord = false;  // sources send only valid ids or -1
   const int32_t* recv_idx;
   const float* recv_w;
-  const int32_t* tokens;  // shared memory [R]: tokens received from source s
+  const int32_t* token_prefix;  // shared memory [R + 1]: received tokens before source s
+  const int32_t* tokens;        // shared memory [R]: tokens received from source s
   uint32_t ranks;
   uint32_t t_max, top_k;
+  bool token_major;
   __device__ __forceinline__ uint32_t place(int64_t v, bool* sent) const {
-    const uint32_t u = static_cast<uint32_t>(v) / top_k;  // t * R + s
-    const uint32_t t = u / ranks, s = u - t * ranks;
-    *sent = t < static_cast<uint32_t>(tokens[s]);
-    return (s * t_max + t) * top_k + (static_cast<uint32_t>(v) - u * top_k);
+    const uint32_t u = static_cast<uint32_t>(v) / top_k;
+    const uint32_t k = static_cast<uint32_t>(v) - u * top_k;
+    uint32_t s, t;
+    if (token_major) {  // u = t * R + s
+      t = u / ranks;
+      s = u - t * ranks;
+      *sent = t < static_cast<uint32_t>(tokens[s]);
+    } else {  // the source s with token_prefix[s] <= u < token_prefix[s + 1]
+      int lo = 0, hi = static_cast<int>(ranks) - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (static_cast<uint32_t>(token_prefix[mid]) <= u) lo = mid; else hi = mid - 1;
+      }
+      s = static_cast<uint32_t>(lo);
+      t = u - static_cast<uint32_t>(token_prefix[lo]);
+      *sent = true;
+    }
+    return (s * t_max + t) * top_k + k;
   }
   __device__ __forceinline__ int32_t id(int64_t v) const {
     bool sent;
@@ -349,24 +375,31 @@ struct ReceivedSlots {
 // row_dst (optional, [max_rows]): each placed row's destination, its source rank's combine slot
 // (GemmParams::out_rows: the L2 epilogue returns the rows).
 // wait_rows: after the sort, wait for every rank's rows_sig too (the next kernel reads the rows);
-// without it the reader waits for each row itself (the MegaMoE kernel's gather units, recv_flag).
+// without it the reader waits for each row itself (the MegaMoE kernel's gather units, recv_flag),
+// and the slots are sorted token-major (ReceivedSlots).
+// Without fused_send the predecessor is this rank's ep_send: no grid-dependency wait, so the
+// dispatch runs (and, alone on the GPU, lets the next kernel launch) while ep_send still sends
+// its rows; it reads nothing ep_send wrote except through dispatch_sig, and every kernel before
+// ep_send has ended (ep_send lets it launch only after its own grid-dependency wait).
 __global__ void __launch_bounds__(sm90::kDispatchMaxWarps * sm90::kDispatchWarpSize)
 ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, const SendArgs a,
                    bool fused_send, uint16_t** row_dst, bool wait_rows) {
   extern __shared__ int32_t hist[];
   __shared__ int32_t warp_totals[sm90::kDispatchMaxWarps];
   __shared__ int32_t tokens[kMaxRanks + 1];
+  __shared__ int32_t prefix[kMaxRanks + 1];
   __shared__ int32_t max_tokens;
   __shared__ unsigned long long s_mask;
-  // PDL: this rank's ep_send has published (call number updated), or, fused, the previous layer
-  // call is done with this rank's peers' rows (its return waited for every rank).
-  ptx::grid_dependency_wait();
+  // PDL, fused: the previous layer call is done with this rank's peers' rows (its return waited
+  // for every rank).
+  if (fused_send) ptx::grid_dependency_wait();
   if (p.early_launch) ptx::launch_dependents();
   const WindowLayout& L = p.layout;
   EpLocal* me = local_state(p);
-  // This call's number: one more than the last call's, whose number the fused send's last CTA
-  // publishes below (every CTA reads it before it takes its ticket, so before that update).
-  const uint64_t call = me->call + (fused_send ? 1 : 0);
+  // This call's number: one more than the last dispatch's (written below by the CTA that waits,
+  // after every CTA of this grid read it; the next call's dispatch runs after this call's
+  // kernels, each of which waited for its predecessor).
+  const uint64_t call = me->dispatched + 1;
   if (fused_send) {
     for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x)
       quantize_send_token(p, a, t, call, &s_mask);
@@ -392,17 +425,25 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    max_tokens = 0;  // the largest T of the call
-    for (int s = 0; s < p.size; ++s) max_tokens = max(max_tokens, tokens[s]);
+    me->dispatched = call;  // the call number of this call's later kernels
+    prefix[0] = 0;
+    max_tokens = 0;
+    for (int s = 0; s < p.size; ++s) {
+      prefix[s + 1] = prefix[s] + tokens[s];
+      max_tokens = max(max_tokens, tokens[s]);
+    }
   }
   __syncthreads();
-  // The waits are over: the gather may launch now (PDL), its CTAs wait for this kernel's end.
+  // The waits for the other ranks are over: the gather may launch now (PDL), its CTAs wait for
+  // this kernel's end.
   if (!p.early_launch) ptx::launch_dependents();
-  d.num_slots = static_cast<int64_t>(max_tokens) * p.size * L.top_k;
+  const bool token_major = !wait_rows;
+  d.num_slots = token_major ? static_cast<int64_t>(max_tokens) * p.size * L.top_k
+                            : static_cast<int64_t>(prefix[p.size]) * L.top_k;
   const ReceivedSlots slots{region<int32_t>(p.peers[p.rank], L.recv_idx),
-                            region<float>(p.peers[p.rank], L.recv_w), tokens,
+                            region<float>(p.peers[p.rank], L.recv_w), prefix, tokens,
                             static_cast<uint32_t>(p.size), static_cast<uint32_t>(L.t_max),
-                            static_cast<uint32_t>(L.top_k)};
+                            static_cast<uint32_t>(L.top_k), token_major};
   // The sort's total rows, also when it placed none.
   int32_t rows = 0;
   bool placed;
@@ -437,8 +478,10 @@ constexpr int kReturnWarps = kReturnThreads / 32;
 // One warp per computed row (grid-stride): out[r] (bf16 [H]) to the combine slot t*K + k of the
 // row's source rank (none with out == nullptr: the layer's L2 epilogue wrote them there, through
 // ep_dispatch's row_dst). The last CTA publishes return_sig on every rank, then waits for every
-// rank's return_sig of this call; only then may the combine launch (PDL): its CTAs must not sit
-// on the GPU while a rank it waits for still needs room to run.
+// rank's return_sig of this call, and for this rank's own rows_sig: ep_send's last CTA is done
+// (nothing in the chain waits for ep_send's end since the dispatch does not, and the next call's
+// send reuses its tickets and signal words); only then may the combine launch (PDL): its CTAs
+// must not sit on the GPU while a rank it waits for still needs room to run.
 // Ordering of rows written by the previous kernel: that grid's stores happen before everything
 // after this kernel's grid-dependency wait (stream order), and thread 0's release store of the
 // signal is cumulative over them, as it is over this CTA's own copies after the barrier.
@@ -460,7 +503,7 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
   }
   EpLocal* me = local_state(p);
   if (!last_cta(&me->return_ticket)) return;
-  const uint64_t call = me->call;
+  const uint64_t call = me->dispatched;
   if (threadIdx.x == 0) {
     const uint64_t word = (call << 32) | me->recv_rows;
     for (int d = 0; d < p.size; ++d)
@@ -473,6 +516,11 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
     // The overflowing rank has recorded its own error already.
     if ((payload & kPayloadError) && d != p.rank)
       record_error(p, StatusCode::kRecvOverflow, Stage::kCombine, d, 0, 0);
+  }
+  static_assert(kReturnThreads > kMaxRanks, "a thread beside the return waits for rows_sig");
+  if (threadIdx.x == kMaxRanks) {
+    (void)wait_signal(p, region<uint64_t>(p.peers[p.rank], L.rows_sig) + p.rank, call,
+                      Stage::kCombine, p.rank);
   }
   __syncthreads();
   if (!p.early_launch) ptx::launch_dependents();

@@ -12,7 +12,8 @@
 //   rows_sig     uint64 [R]           [s]: written by source rank s when its rows are in place
 //   return_sig   uint64 [R]           [d]: written by owner rank d when its results are in place
 //   recv_flag    uint64 [R][T_max]    [s][t]: the call number, written by s once its token t's row
-//                                     and scales are in place here (rows sent to this rank only)
+//                                     and scales are in place here (rows sent to this rank only;
+//                                     with EpParams::row_flags)
 //   recv_idx     int32  [R][T_max][K] [s][t][k]: source s's token t's expert ids (-1: empty or
 //                                     invalid), written by s for every token and every rank
 //   recv_w       fp32   [R][T_max][K] the matching top-k weights
@@ -66,7 +67,9 @@ struct EpStatus {
 };
 
 struct EpLocal {
-  uint64_t call;            // layer calls made on this window (last one completed or running)
+  uint64_t call;            // layer calls whose slot ids this rank published (its sends)
+  uint64_t dispatched;      // layer calls whose dispatch ran here (the number the call's later
+                            // kernels use: the dispatch no longer waits for the send's end)
   uint32_t send_ticket;     // CTAs of the send kernel done (the last one publishes, resets)
   uint32_t rows_ticket;     // CTAs of the send kernel done with their rows (the same, rows_sig)
   uint32_t return_ticket;   // the same for the return kernel
@@ -149,6 +152,10 @@ struct EpParams {
   // With several ranks on one GPU the successors launch only after the waits (the ranks waited
   // for must find room to run).
   int32_t early_launch = 0;
+  // 1: the send writes an arrival word (recv_flag) after each row, for receivers that gather
+  // inside the MegaMoE kernel (LayerConfig::sm90.mega_dispatch; every rank of a group must
+  // agree: a receiver waiting for words that never come times out, loudly).
+  int32_t row_flags = 0;
   int32_t* error_flag = nullptr;  // mapped host word: set to 1 when an error is recorded
 };
 

@@ -419,7 +419,9 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
         const int chunk = next % gather_target;
         const TileInfo st = ms.slot_info(slot);
         const MegaGather& g = mp.gather;
-        const uint64_t call = *reinterpret_cast<volatile const uint64_t*>(&g.arrival.local->call);
+        // (the call number its EP dispatch, the previous kernel, wrote)
+        const uint64_t call =
+            *reinterpret_cast<volatile const uint64_t*>(&g.arrival.local->dispatched);
         const int H = mp.l1.k;
         const uint32_t groups = static_cast<uint32_t>(H) / kScaleBlock;
         const int lane = tid % 32;

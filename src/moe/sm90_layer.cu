@@ -471,7 +471,10 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   const int64_t t = over ? 0 : num_tokens;  // above capacity: take part with no tokens
   const LayerShape& s = config_.shape;
   const int64_t num_local = config_.num_local_experts();
-  const ep::EpParams p = g.params(t, num_tokens, s.num_experts);
+  ep::EpParams p = g.params(t, num_tokens, s.num_experts);
+  // Arrival words after every sent row, for the ranks that gather inside the MegaMoE kernel (the
+  // group's ranks share the option: docs/design.md).
+  p.row_flags = config_.sm90.mega_dispatch ? 1 : 0;
   const ep::WindowLayout& w = p.layout;
   uint8_t* window = p.peers[g.rank];
   const bool pdl = programmatic_;
@@ -506,11 +509,8 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   // to sort them).
   const bool gather_inside = config_.sm90.mega_kernel && config_.sm90.mega_dispatch &&
                              !fused_send && mega_fuses(l1, l2, view_.mega);
-  // row_dst: each received row's destination, its source's combine slot, where L2 writes it.
-  ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights,
-                      view_.row_dst, stream, pdl, /*wait_rows=*/!gather_inside);
+  MegaGather gather;
   if (gather_inside) {
-    MegaGather gather;
     gather.x_q = window + w.recv_xq;
     gather.x_sf = window + w.recv_sf;
     gather.row_slot = view_.row_slot;
@@ -522,6 +522,13 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
     // late row would otherwise reach first (docs/design.md, "The dispatch inside the launch").
     gather.arrival.timeout_ns = std::min<uint64_t>(p.timeout_ns, ep::kMaxRowWaitNs);
     gather.arrival.t_max = static_cast<int32_t>(w.t_max);
+    check_mega_gather(gather, l1);  // before the dispatch: a refusal after it would leave the
+                                    // peers waiting for this rank's return
+  }
+  // row_dst: each received row's destination, its source's combine slot, where L2 writes it.
+  ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights,
+                      view_.row_dst, stream, pdl, /*wait_rows=*/!gather_inside);
+  if (gather_inside) {
     last_gemms_fused_ = launch_mega(l1, l2, view_.mega, stream, &gather);
     last_dispatch_fused_ = true;
     MEGAMOE_CHECK(last_gemms_fused_, ErrorCode::kInternal,

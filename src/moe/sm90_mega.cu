@@ -71,6 +71,20 @@ bool mega_fuses(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws) {
   return mega_choice(a1, a2, ws).fused;
 }
 
+void check_mega_gather(const MegaGather& g, const L1Args& a1) {
+  MEGAMOE_CHECK_ARG(g.x_q != nullptr && g.x_sf != nullptr && g.row_slot != nullptr &&
+                        g.arrival.flags != nullptr && g.arrival.local != nullptr && g.top_k > 0 &&
+                        g.arrival.t_max > 0,
+                    "launch_mega: the gather inside the launch needs the received rows, scales, "
+                    "row_slot, arrival words, the window's state, top_k > 0 and t_max > 0");
+  MEGAMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(g.x_q) % 16 == 0 && a1.hidden % kScaleBlock == 0,
+                    "launch_mega: the gather reads 16-byte aligned rows of whole 32-groups, got "
+                    "x_q ", static_cast<const void*>(g.x_q), " and H = ", a1.hidden);
+  MEGAMOE_CHECK_ARG(a1.act_fp8 != nullptr ? a1.act_row_factor != nullptr : a1.act != nullptr,
+                    "launch_mega: the gather inside the launch writes L1's rows: expected ",
+                    a1.act_fp8 != nullptr ? "act_row_factor with act_fp8" : "act", ", got null");
+}
+
 bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream,
                  const MegaGather* gather) {
   const bool fp8 = a1.act_fp8 != nullptr;
@@ -87,14 +101,7 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
   }
   if (gather != nullptr) {
     const MegaGather& g = *gather;
-    MEGAMOE_CHECK_ARG(g.x_q != nullptr && g.x_sf != nullptr && g.row_slot != nullptr &&
-                          g.arrival.flags != nullptr && g.arrival.local != nullptr &&
-                          g.top_k > 0 && g.arrival.t_max > 0,
-                      "launch_mega: the gather inside the launch needs the received rows, scales, "
-                      "row_slot, arrival words, the window's state, top_k > 0 and t_max > 0");
-    MEGAMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(g.x_q) % 16 == 0 && a1.hidden % kScaleBlock == 0,
-                      "launch_mega: the gather reads 16-byte aligned rows of whole 32-groups, got "
-                      "x_q ", static_cast<const void*>(g.x_q), " and H = ", a1.hidden);
+    check_mega_gather(g, a1);
     mp.gather = g;
     // Its outputs are L1's B operand: what the gather or rebase launch would write.
     mp.gather.act = fp8 ? nullptr : const_cast<uint16_t*>(a1.act);

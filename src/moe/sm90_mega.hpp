@@ -53,6 +53,9 @@ bool launch_mega(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws, cu
 // Whether launch_mega with these arguments runs the kernel (the policy's choice), without
 // launching: a caller that gathers inside the launch decides its EP dispatch by it.
 bool mega_fuses(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws);
+// The checks launch_mega makes of `gather` (throws kInvalidArgument naming what is missing); a
+// caller that launches the EP dispatch first makes them before it.
+void check_mega_gather(const MegaGather& gather, const L1Args& l1);
 
 // Loads every MegaMoE kernel now (see load_gemm_kernels).
 void load_mega_kernels();

@@ -416,7 +416,7 @@ TEST(Ep, InvalidIdsReportedBySourceRank) {
   EXPECT_EQ(count_mismatches(ep.output(), expected), 0);
 }
 
-void expect_nccl_one_rank_equals_plain(const LayerConfig& c) {
+void expect_nccl_one_rank_equals_plain(const LayerConfig& c, const char* kernels = nullptr) {
   const EpInputs in = make_ep_inputs(c, {64}, Routing::kSkewed, 1020, 0.1);
   OneGpu one(c, in.total(), 1020);
   const std::vector<uint16_t> expected = one.run(in);
@@ -435,6 +435,7 @@ void expect_nccl_one_rank_equals_plain(const LayerConfig& c) {
                   TensorView::contiguous(y.get(), DType::kBF16, {t, h}, dev));
     layer.check_errors();
     EXPECT_EQ(count_mismatches(y.download(), expected), 0) << "call " << rep;
+    if (kernels != nullptr) EXPECT_EQ(layer.last_call_kernels(), kernels) << "call " << rep;
   }
 }
 
@@ -450,9 +451,11 @@ TEST(EpNccl, OneRankEqualsPlainLayer) {
   }
   for (int mode = 0; mode < 3; ++mode) {  // chain, MegaMoE kernel, and with the dispatch inside
     SCOPED_TRACE(mode == 0 ? "chain" : mode == 1 ? "MegaMoE kernel" : "MegaMoE dispatch");
+    const char* kernels[] = {"chain", "mega", "mega+dispatch"};
     expect_nccl_one_rank_equals_plain(mode == 0 ? ep_config("small", 64)
                                                 : ep_config("small", 64, "decode_128x16_k2_warp",
-                                                            Precision::kExact, true, mode == 2));
+                                                            Precision::kExact, true, mode == 2),
+                                      kernels[mode]);
   }
 }
 
