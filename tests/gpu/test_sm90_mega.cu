@@ -129,6 +129,21 @@ Args make_args(const Problem& p, Outputs& o, const std::string& tile, int s1, in
   return a;
 }
 
+// The FP8 mode's operands of both GEMMs: L1's E4M3 rows and factors, the weights' row exponents,
+// L2's E4M3 rows and factors (the BF16 act / h_act then unused).
+void set_fp8_mode(Args& a, const uint8_t* act8, const float* act_factor, const uint8_t* w13_exp,
+                  uint8_t* h8, float* h_factor, const uint8_t* w2_exp) {
+  a.l1.act = nullptr;
+  a.l1.h_act = nullptr;
+  a.l1.act_fp8 = act8;
+  a.l1.act_row_factor = act_factor;
+  a.l1.w13_row_exp = w13_exp;
+  a.l2.h_act = nullptr;
+  a.l2.h_fp8 = h8;
+  a.l2.h_row_factor = h_factor;
+  a.l2.w2_row_exp = w2_exp;
+}
+
 void expect_equal(const Outputs& a, const Outputs& b, int64_t rows, const std::string& what) {
   EXPECT_EQ(to_host<uint8_t>(a.h_q, rows * kI), to_host<uint8_t>(b.h_q, rows * kI)) << what << ": h_q";
   EXPECT_EQ(to_host<uint8_t>(a.h_sf, rows * kI / 32), to_host<uint8_t>(b.h_sf, rows * kI / 32)) << what << ": h_sf";
@@ -221,15 +236,8 @@ TEST(Sm90Mega, Fp8EqualsTheChainOnTheSameTileBitForBit) {
       } chain_out, mega_out;
       auto args = [&](Fp8Out& out) {
         Args a = make_args(p, out.o, tile, 1, 1, split.ws);
-        a.l1.act = nullptr;
-        a.l1.h_act = nullptr;
-        a.l1.act_fp8 = d_act8.as<uint8_t>();
-        a.l1.act_row_factor = d_factor.as<float>();
-        a.l1.w13_row_exp = w13_exp.as<uint8_t>();
-        a.l2.h_act = nullptr;
-        a.l2.h_fp8 = out.h8.as<uint8_t>();
-        a.l2.h_row_factor = out.hf.as<float>();
-        a.l2.w2_row_exp = w2_exp.as<uint8_t>();
+        set_fp8_mode(a, d_act8.as<uint8_t>(), d_factor.as<float>(), w13_exp.as<uint8_t>(),
+                     out.h8.as<uint8_t>(), out.hf.as<float>(), w2_exp.as<uint8_t>());
         return a;
       };
       auto poison = [](Fp8Out& out) {
@@ -355,15 +363,8 @@ TEST(Sm90Mega, GatherInsideEqualsTheGatherLaunchBitForBit) {
         Args a = make_args(p, run.o, c.tile, splits, splits, split.ws);
         a.l1.act = run.act.as<uint16_t>();
         if (c.fp8) {
-          a.l1.act = nullptr;
-          a.l1.h_act = nullptr;
-          a.l1.act_fp8 = run.act8.as<uint8_t>();
-          a.l1.act_row_factor = run.act_f.as<float>();
-          a.l1.w13_row_exp = w13_exp.as<uint8_t>();
-          a.l2.h_act = nullptr;
-          a.l2.h_fp8 = run.h8.as<uint8_t>();
-          a.l2.h_row_factor = run.hf.as<float>();
-          a.l2.w2_row_exp = w2_exp.as<uint8_t>();
+          set_fp8_mode(a, run.act8.as<uint8_t>(), run.act_f.as<float>(), w13_exp.as<uint8_t>(),
+                       run.h8.as<uint8_t>(), run.hf.as<float>(), w2_exp.as<uint8_t>());
         }
         return a;
       };
