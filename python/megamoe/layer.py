@@ -151,6 +151,13 @@ class MoELayer:
         parallelism these are the rows sent here by every rank. Empty for the cpu backend."""
         return self._layer.expert_rows(self._stream_handle(stream))
 
+    @property
+    def last_call_kernels(self):
+        """Which kernels ran the expert GEMMs of the last call (host-side record, no wait): 'cpu';
+        sm90: 'chain' (the GEMM launches), 'mega' (the MegaMoE kernel) or 'mega+dispatch' (the
+        MegaMoE kernel with the dispatch inside, LayerConfig(mega_dispatch=True))."""
+        return self._layer.last_call_kernels
+
     def _stream_handle(self, stream):
         # The stream a host-side wait uses: the one given, else torch's current stream on the
         # layer's device (there is no array to find it from).

@@ -124,6 +124,7 @@ void register_layer(nb::module_& m) {
           nb::arg("stream") = 0)
       .def_prop_ro("config", &MoeLayer::config, nb::rv_policy::copy)
       .def_prop_ro("backend", &MoeLayer::backend)
+      .def_prop_ro("last_call_kernels", &MoeLayer::last_call_kernels)
       .def_prop_ro("device", [](const MoeLayer& l) { return device_name(l.device()); })
       .def_prop_ro("weights_layout", [](const MoeLayer& l) { return l.weights().layout; })
       .def_prop_ro("weights_bytes", [](const MoeLayer& l) { return l.weights().total_bytes(); });

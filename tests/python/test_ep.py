@@ -142,6 +142,7 @@ def test_layer_without_group():
     layer = megamoe.MoELayer(cfg, megamoe.synthetic_weights(cfg, 1), backend="cpu", group=None)
     assert layer.group is None
     assert layer.expert_rows() == []  # the cpu backend keeps no row counts
+    assert layer.last_call_kernels == "cpu"
     assert "group=" not in repr(layer)
 
 
