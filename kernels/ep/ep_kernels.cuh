@@ -36,10 +36,6 @@
 
 namespace megamoe::ep {
 
-__device__ __forceinline__ EpLocal* local_state(const EpParams& p) {
-  return region<EpLocal>(p.peers[p.rank], p.layout.local);
-}
-
 // The combine slot (bf16 [H]) in its source rank's window of the received row whose place in the
 // received slots is `place` ((s * t_max + t) * K + k: the dispatch's row_slot).
 __device__ __forceinline__ uint16_t* combine_row(const EpParams& p, int32_t place) {
@@ -47,50 +43,6 @@ __device__ __forceinline__ uint16_t* combine_row(const EpParams& p, int32_t plac
   const ReturnSlot to = return_slot(static_cast<uint32_t>(place), static_cast<uint32_t>(L.top_k),
                                     static_cast<uint32_t>(L.t_max));
   return region<uint16_t>(p.peers[to.rank], L.combine) + static_cast<int64_t>(to.slot) * L.hidden;
-}
-
-// Records the window's first error (later ones only count) and raises the host-visible flag.
-__device__ inline void record_error(const EpParams& p, StatusCode code, Stage stage, int32_t peer,
-                                    uint64_t expected, uint64_t observed) {
-  record_error_at(local_state(p), p.error_flag, code, stage, peer, expected, observed);
-}
-
-// Waits until `*sig` carries call number `call`; returns its payload, or 0 (and records
-// kTimeout) when the timeout passes first. A broken window (an earlier timeout) checks once.
-__device__ inline uint32_t wait_signal(const EpParams& p, const uint64_t* sig, uint64_t call,
-                                       Stage stage, int32_t peer) {
-  const uint64_t start = global_time_ns();
-  const bool broken = *reinterpret_cast<volatile uint32_t*>(&local_state(p)->broken) != 0;
-  for (;;) {
-    const uint64_t v = ld_acquire_sys(sig);
-    if ((v >> 32) == call) return static_cast<uint32_t>(v);
-    if (broken || global_time_ns() - start > p.timeout_ns) {
-      record_error(p, StatusCode::kTimeout, stage, peer, call, v);
-      return 0;
-    }
-  }
-}
-
-// The last CTA of a grid to call this (after its writes) returns true, with every other CTA's
-// writes ordered before what it does next; it also resets the ticket for the next call.
-// One thread fences for the CTA: the barrier orders the other threads' writes before its fence,
-// and fences are cumulative (a system fence by every thread cost microseconds per call). A grid
-// of one CTA needs neither the ticket nor the fences: the barrier orders its threads' writes
-// before thread 0's release store that publishes them (cumulative, as the fence).
-__device__ inline bool last_cta(uint32_t* ticket) {
-  __shared__ bool last;
-  __syncthreads();
-  if (gridDim.x == 1) return true;
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    if (last) {
-      *ticket = 0;
-      __threadfence_system();
-    }
-  }
-  __syncthreads();
-  return last;
 }
 
 constexpr int kSendThreads = 256;
@@ -258,22 +210,22 @@ __device__ inline void quantize_send_token(const EpParams& p, const SendArgs& a,
     }
   }
   // The token's arrival word on every owner (recv_flag, as send_token_rows): the barrier orders
-  // the CTA's stores before thread 0's release.
-  __syncthreads();
-  if (threadIdx.x == 0 && p.row_flags) {
-    for (unsigned long long m = mask; m != 0; m &= m - 1) {
-      const int d = __ffsll(static_cast<long long>(m)) - 1;
-      st_release_sys(region<uint64_t>(p.peers[d], L.recv_flag) + at, call);
+  // the CTA's stores before thread 0's release (p.row_flags is the same for every thread).
+  if (p.row_flags) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (unsigned long long m = mask; m != 0; m &= m - 1) {
+        const int d = __ffsll(static_cast<long long>(m)) - 1;
+        st_release_sys(region<uint64_t>(p.peers[d], L.recv_flag) + at, call);
+      }
     }
   }
   __syncthreads();  // every thread has read *s_mask before the next token resets it
 }
 
-// One thread, after every slot id of this call is ordered before it: the call number advances and
-// every rank's dispatch_sig[rank] gets (call, T) (or the capacity error with the T called).
-__device__ inline void publish_dispatch(const EpParams& p) {
-  EpLocal* me = local_state(p);
-  const uint64_t call = me->call + 1;
+// One thread, after every slot id of call `call` is ordered before it: every rank's
+// dispatch_sig[rank] gets (call, T) (or the capacity error with the T called).
+__device__ inline void publish_dispatch(const EpParams& p, uint64_t call) {
   const uint32_t payload =
       p.called_tokens != p.num_tokens
           ? kPayloadError | (static_cast<uint32_t>(p.called_tokens) & kPayloadMask)
@@ -281,7 +233,6 @@ __device__ inline void publish_dispatch(const EpParams& p) {
   for (int d = 0; d < p.size; ++d)
     st_release_sys(region<uint64_t>(p.peers[d], p.layout.dispatch_sig) + p.rank,
                    (call << 32) | payload);
-  me->call = call;
 }
 
 // One thread, after every row of this call is ordered before it: every rank's rows_sig[rank]
@@ -303,13 +254,14 @@ ep_send_kernel(const EpParams p, const SendArgs a) {
   ptx::grid_dependency_wait();  // PDL: the quantized input is complete
   ptx::launch_dependents();     // the successor (ep_dispatch) is one CTA
   EpLocal* me = local_state(p);
-  // This call's number (publish_dispatch advances me->call after every CTA's ticket, so after
-  // this read).
-  const uint64_t call = me->call + 1;
+  // This call's number: one more than the last dispatch's (the previous call's kernels have ended:
+  // the quantize launch before this one waited for them; this call's dispatch advances it only
+  // after this rank's dispatch_sig, so after every CTA here has read it).
+  const uint64_t call = me->dispatched + 1;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kSendWarps + threadIdx.x / 32;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kSendWarps;
   send_token_slots(p, a, warp, num_warps);
-  if (last_cta(&me->send_ticket) && threadIdx.x == 0) publish_dispatch(p);
+  if (last_cta(&me->send_ticket) && threadIdx.x == 0) publish_dispatch(p, call);
   send_token_rows(p, a, warp, num_warps, call);
   if (last_cta(&me->rows_ticket) && threadIdx.x == 0) publish_rows(p, call);
 }
@@ -405,7 +357,7 @@ ep_dispatch_kernel(const EpParams p, sm90::DispatchParams d, int num_warps, cons
       quantize_send_token(p, a, t, call, &s_mask);
     if (!last_cta(&me->send_ticket)) return;  // the others exit: one CTA waits below
     if (threadIdx.x == 0) {  // after last_cta's fence: the slot ids and the rows are in place
-      publish_dispatch(p);
+      publish_dispatch(p, call);
       publish_rows(p, call);
     }
     __syncthreads();
@@ -504,24 +456,9 @@ ep_return_kernel(const EpParams p, const uint16_t* __restrict__ out,
   EpLocal* me = local_state(p);
   if (!last_cta(&me->return_ticket)) return;
   const uint64_t call = me->dispatched;
-  if (threadIdx.x == 0) {
-    const uint64_t word = (call << 32) | me->recv_rows;
-    for (int d = 0; d < p.size; ++d)
-      st_release_sys(region<uint64_t>(p.peers[d], L.return_sig) + p.rank, word);
-  }
-  if (threadIdx.x < p.size) {
-    const int d = threadIdx.x;
-    const uint32_t payload = wait_signal(p, region<uint64_t>(p.peers[p.rank], L.return_sig) + d,
-                                         call, Stage::kCombine, d);
-    // The overflowing rank has recorded its own error already.
-    if ((payload & kPayloadError) && d != p.rank)
-      record_error(p, StatusCode::kRecvOverflow, Stage::kCombine, d, 0, 0);
-  }
+  if (threadIdx.x == 0) publish_return(p, call);
   static_assert(kReturnThreads > kMaxRanks, "a thread beside the return waits for rows_sig");
-  if (threadIdx.x == kMaxRanks) {
-    (void)wait_signal(p, region<uint64_t>(p.peers[p.rank], L.rows_sig) + p.rank, call,
-                      Stage::kCombine, p.rank);
-  }
+  wait_returns(p, call, threadIdx.x);
   __syncthreads();
   if (!p.early_launch) ptx::launch_dependents();
 }

@@ -67,12 +67,11 @@ struct EpStatus {
 };
 
 struct EpLocal {
-  uint64_t call;            // layer calls whose slot ids this rank published (its sends)
-  uint64_t dispatched;      // layer calls whose dispatch ran here (the number the call's later
-                            // kernels use: the dispatch no longer waits for the send's end)
+  uint64_t dispatched;      // layer calls whose dispatch ran here: a call's number is one more
+                            // before its dispatch (the send) and this after it (the later kernels)
   uint32_t send_ticket;     // CTAs of the send kernel done (the last one publishes, resets)
   uint32_t rows_ticket;     // CTAs of the send kernel done with their rows (the same, rows_sig)
-  uint32_t return_ticket;   // the same for the return kernel
+  uint32_t return_ticket;   // the same for the return kernel (or the MegaMoE kernel's combine)
   uint32_t recv_rows;       // rows received in the current call (payload of return_sig)
   uint32_t broken;          // 1 after a timeout: later waits do not spin
   EpStatus status;

@@ -294,7 +294,6 @@ struct Received {
     row_slot = to_device(slots);
     flags = to_device(host_flags);
     ep::EpLocal state{};
-    state.call = call;
     state.dispatched = call;
     local = Buffer(sizeof state, Device::cuda());
     MEGAMOE_CUDA_CHECK(cudaMemcpy(local.data(), &state, sizeof state, cudaMemcpyHostToDevice));
