@@ -61,8 +61,9 @@ class MoeLayer {
   // The layer's EP group, or null.
   std::shared_ptr<EpGroup> ep_group() const;
   // Which kernels ran the expert GEMMs of the last call (host-side record, no wait): "cpu"; sm90:
-  // "chain" (the GEMM launches), "mega" (the MegaMoE kernel) or "mega+dispatch" (the MegaMoE
-  // kernel with the dispatch inside, LayerConfig::sm90.mega_dispatch). For tests and benchmarks.
+  // "chain" (the GEMM launches) or "mega" (the MegaMoE kernel), the latter with "+dispatch" when
+  // it gathered the received rows (LayerConfig::sm90.mega_dispatch) and "+combine" when it also
+  // summed y (LayerConfig::sm90.mega_combine). For tests and benchmarks.
   std::string last_call_kernels() const;
 
   const LayerConfig& config() const;

@@ -118,6 +118,28 @@ struct MegaGather {
   int32_t top_k = 0;
 };
 
+// The combine inside the MegaMoE kernel (counters != nullptr): the last unit of every CTA, which
+// first orders the CTA's L2 rows (a fence: at system scope under expert parallelism, where they
+// went to other ranks' combine slots) and counts the CTA out; the last one out sets the count
+// back to zero and publishes: on one GPU a new generation of `counters[1]`, under expert
+// parallelism this rank's return_sig on every rank (ep_return's protocol). Then y is the combine
+// launch's sum over `rows` (one GPU: L2's out; under expert parallelism this rank's combine
+// slots, which every rank's L2 writes), by every CTA (all_ctas: the grid alone on its GPU) or by
+// the last one out alone (several ranks on one GPU: the others exit, so a rank waiting for the
+// others holds one CTA's resources), once the last CTA's generation (one GPU) or every rank's
+// return_sig (and this rank's own rows_sig: its send has ended) is in.
+struct MegaCombine {
+  const uint16_t* rows = nullptr;        // [.., H] bf16
+  const int32_t* slot_to_row = nullptr;  // [T * K]: the row of slot t*K + k in `rows`, or -1
+  uint16_t* y = nullptr;                 // [T, H] bf16
+  int32_t num_tokens = 0;
+  int32_t top_k = 0;
+  int32_t all_ctas = 0;
+  uint32_t* counters = nullptr;          // [2]: CTAs out (zero, left zero), generation
+  int32_t expert_parallel = 0;           // 1: under expert parallelism (ep)
+  ep::EpParams ep;
+};
+
 struct MegaParams {
   GemmParams l1;                 // as launch_l1 runs it (no gate); l1.unit_counter: the units
                                  // taken at run time (required); l1.k_splits: K parts of each L1
@@ -134,6 +156,7 @@ struct MegaParams {
   uint8_t* h_fp8 = nullptr;      // [max_rows + kRowSlack, I]
   float* h_factor = nullptr;     // [max_rows + kRowSlack]
   MegaGather gather;             // under expert parallelism: L1's rows gathered inside the launch
+  MegaCombine combine;           // y summed inside the launch (optional)
 };
 
 // The launch gate's test: `rows` routed rows over `hits` experts lie in (p.gate_min_avg,

@@ -54,6 +54,7 @@
 #include <cstdint>
 
 #include "ep/ep_device.cuh"
+#include "sm90/sm90_combine_chunk.cuh"
 #include "sm90/sm90_gather_row.cuh"
 #include "sm90/sm90_grouped_gemm_bf16_mxfp4.cuh"
 #include "sm90/sm90_rebase_row.cuh"
@@ -67,19 +68,13 @@ constexpr size_t mega_smem_bytes(int num_experts) {
   return Cfg::smem_bytes(num_experts) + sizeof(int32_t) * static_cast<size_t>(num_experts + 1);
 }
 
-// FP8 mode: L1's rows (h_q, h_sf) are rebased into L2's E4M3 rows (h_fp8, h_factor) by rebase
-// units between L1's and L2's units, kMegaRebaseRows rows of a slot each.
-constexpr int kMegaRebaseRows = 64;
+// Row units: kMegaUnitRows rows of a slot each, one warp per row. Under expert parallelism
+// (MegaGather) the gather units, ahead of every L1 unit; in FP8 mode the rebase units, between
+// L1's and L2's units, which rebase L1's rows (h_q, h_sf) into L2's E4M3 rows (h_fp8, h_factor).
+constexpr int kMegaUnitRows = 64;
 template <class Cfg>
-constexpr int mega_rebase_units_per_slot() {
-  return Cfg::kFp8 ? (Cfg::kBlockN + kMegaRebaseRows - 1) / kMegaRebaseRows : 0;
-}
-
-// Under expert parallelism (MegaGather), gather units: kMegaRebaseRows rows of a slot each, ahead
-// of every L1 unit.
-template <class Cfg>
-constexpr int mega_gather_units_per_slot() {
-  return (Cfg::kBlockN + kMegaRebaseRows - 1) / kMegaRebaseRows;
+constexpr int mega_row_units_per_slot() {
+  return (Cfg::kBlockN + kMegaUnitRows - 1) / kMegaUnitRows;
 }
 
 // Spins until *counter reaches target (one thread). Gives up after kWaitTimeoutCycles and traps,
@@ -102,6 +97,65 @@ __device__ __forceinline__ void wait_count(const int32_t* counter, int target) {
     }
 #endif
     if (clock64() - start > ptx::kWaitTimeoutCycles) __trap();
+  }
+}
+
+// The combine inside the launch (MegaCombine), by the kThreads math threads of a CTA (`mt`: this
+// one's index) once its L2 rows are stored; kBar: their named barrier.
+template <int kThreads, int kBar>
+__device__ inline void mega_combine(const MegaCombine& c, int hidden, int mt) {
+  __shared__ uint32_t s_combines;
+  __shared__ uint32_t s_generation;
+  const bool ep = c.expert_parallel != 0;
+  const uint32_t chunks = static_cast<uint32_t>(hidden) / kCombineVec;
+  const uint32_t total = static_cast<uint32_t>(c.num_tokens) * chunks;
+  // The CTAs that sum (all_ctas): one share of kThreads items each, at most the grid, at least
+  // one (under expert parallelism a rank without tokens still waits for the returns); the others
+  // only count out (fewer threads polling the same word while the last L2 tiles run).
+  // NOTES: every CTA polling (528 at decode) made the decode calls 2-4 % slower (tuning log v34).
+  const uint32_t summers = c.all_ctas ? max(1u, min(gridDim.x, (total + kThreads - 1) / kThreads)) : 1u;
+  // (under expert parallelism: the call number its EP dispatch, an earlier kernel, wrote)
+  const uint64_t call =
+      ep ? *reinterpret_cast<volatile const uint64_t*>(&ep::local_state(c.ep)->dispatched) : 0;
+  if (mt == 0) {
+    // The generation before this CTA counts out: the last one out advances it.
+    const uint32_t generation = ep ? 0u : static_cast<uint32_t>(ptx::ld_acquire_gpu(
+                                              reinterpret_cast<const int32_t*>(c.counters + 1)));
+    if (ep) __threadfence_system(); else __threadfence();  // this CTA's rows (the barrier before)
+    const bool last = atomicAdd(c.counters, 1u) == gridDim.x - 1;
+    if (last) {
+      c.counters[0] = 0;  // every CTA has counted: the next call finds it zero
+      if (ep) {
+        __threadfence_system();
+        ep::publish_return(c.ep, call);
+      } else {
+        ptx::red_release_gpu_add(reinterpret_cast<int32_t*>(c.counters + 1), 1);
+      }
+    }
+    s_combines = c.all_ctas ? (blockIdx.x < summers ? 1u : 0u) : (last ? 1u : 0u);
+    s_generation = generation;
+  }
+  ptx::named_barrier_sync(kBar, kThreads);
+  if (s_combines == 0) return;
+  if (ep) {
+    static_assert(kThreads > ep::kMaxRanks, "a math thread beside the return waits for rows_sig");
+    ep::wait_returns(c.ep, call, mt);
+  } else if (mt == 0) {
+    // Every CTA's rows are in once the generation has moved on (the trap deadline of every wait
+    // in these kernels).
+    const int32_t* gen = reinterpret_cast<const int32_t*>(c.counters + 1);
+    const long long start = clock64();
+    while (static_cast<uint32_t>(ptx::ld_acquire_gpu(gen)) == s_generation) {
+      __nanosleep(64);
+      if (clock64() - start > ptx::kWaitTimeoutCycles) __trap();
+    }
+  }
+  ptx::named_barrier_sync(kBar, kThreads);
+  const uint32_t part = c.all_ctas ? blockIdx.x : 0u;
+  for (uint32_t i = part * kThreads + mt; i < total; i += summers * kThreads) {
+    const uint32_t t = i / chunks;
+    combine_chunk<true>(c.rows, c.slot_to_row, t, i - t * chunks, c.top_k,
+                        static_cast<uint32_t>(hidden), c.y);
   }
 }
 
@@ -138,13 +192,16 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   // epilogue warps (asynchronous ones); after the named barriers the epilogues use.
   constexpr int kBarPublish = Cfg::kAsyncEpilogue ? Cfg::kBarStageFree + 2 * Cfg::kNumMathWG - 1
                                                   : (Cfg::kNumMathWG == 1 ? 1 : 1 + Cfg::kNumMathWG);
-  constexpr int kPublishThreads = Cfg::kAsyncEpilogue ? Cfg::kEpilogueThreads
-                                                      : Cfg::kNumMathWG * Cfg::kWarpgroupThreads;
-  // FP8 mode: the barrier of the math warpgroups after a rebase unit's rows, before one of them
-  // publishes it.
-  constexpr int kBarRebase = kBarPublish + 1;
-  constexpr int kRebaseUnitsPerSlot = mega_rebase_units_per_slot<Cfg>();
-  static_assert(kBarRebase <= 15, "named barriers 0..15");
+  constexpr int kMathThreads = Cfg::kNumMathWG * Cfg::kWarpgroupThreads;
+  constexpr int kPublishThreads = Cfg::kAsyncEpilogue ? Cfg::kEpilogueThreads : kMathThreads;
+  // The math warpgroups' barrier (after a row unit's rows, before one of them publishes it; in
+  // the combine), and (asynchronous epilogue) the math warpgroups' and epilogue warps' barrier
+  // before the combine.
+  constexpr int kBarMath = kBarPublish + 1;
+  constexpr int kBarTail = kBarMath + 1;
+  constexpr int kTailThreads = kMathThreads + Cfg::kEpilogueThreads;
+  constexpr int kRebaseUnitsPerSlot = Cfg::kFp8 ? mega_row_units_per_slot<Cfg>() : 0;
+  static_assert(kBarTail <= 15, "named barriers 0..15");
   static_assert(!Cfg::kFp8 || !Cfg::kSupportsSplitK,
                 "the split-K partials are sized for the GEMMs' units, not the rebase units");
 
@@ -166,6 +223,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   // Under expert parallelism with the gather inside (mp.gather), the previous kernel is the EP
   // dispatch, which writes row_offsets: the schedule then waits too.
   const bool gathering = mp.gather.x_q != nullptr;
+  const bool combining = mp.combine.counters != nullptr;
   const bool prefetch = !Cfg::kUseSetMaxNReg && mp.l1.prefetch_before_wait != 0 && !gathering;
   if (!prefetch) ptx::grid_dependency_wait();
   if constexpr (Cfg::kUseSetMaxNReg) {
@@ -207,7 +265,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   // Gather units (mp.gather) come first: units [0, num_gather), slot-major, each adding 1 to its
   // slot's ready count, which L1's tiles wait for; the GEMM and rebase units below are numbered
   // from num_gather (u = unit - num_gather), and every later wait target adds gather_target.
-  const int gather_target = gathering ? mega_gather_units_per_slot<Cfg>() : 0;
+  const int gather_target = gathering ? mega_row_units_per_slot<Cfg>() : 0;
   const int num_gather = ms.num_slots() * gather_target;
   const int l1_units = ms.l1_tiles() * splits1;
   const int l2_first = l1_units + ms.num_slots() * kRebaseUnitsPerSlot;
@@ -239,7 +297,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
   if (wg >= Cfg::kNumMathWG) {
     if constexpr (Cfg::kUseSetMaxNReg) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     // Thread index within the producer's warpgroup(s): 0 the producer, 32.. the epilogue.
-    const int ptid = static_cast<int>(threadIdx.x) - Cfg::kNumMathWG * Cfg::kWarpgroupThreads;
+    const int ptid = static_cast<int>(threadIdx.x) - kMathThreads;
     if constexpr (Cfg::kAsyncEpilogue) {
       if (ptid >= 32) {
         // ============================ epilogue warps ============================
@@ -270,6 +328,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
             if (etid == 0) ptx::red_release_gpu_add(mp.ready + ms.slot(tile), 1);
           }
         }
+        if (combining) ptx::named_barrier_arrive(kBarTail, kTailThreads);  // its rows are stored
         return;
       }
     }
@@ -311,7 +370,11 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
     if (prefetch) ptx::grid_dependency_wait();
     // Every read of the previous kernels' outputs and of the counters comes after the wait. The
     // prefill tiles release the next kernel only when they exit, as their GEMM launches do.
-    if constexpr (!Cfg::kUseSetMaxNReg) ptx::launch_dependents();
+    // (A combine by the last CTA alone, with several ranks on one GPU, releases it only at the
+    // end: the next call's CTAs must not hold the GPU while a rank it waits for needs room.)
+    if constexpr (!Cfg::kUseSetMaxNReg) {
+      if (!combining || mp.combine.all_ctas) ptx::launch_dependents();
+    }
     // A unit that only names itself to the math warpgroups, in a stage without data (a plain
     // arrival completes the stage's full barrier).
     auto name_unit = [&](int unit) {
@@ -383,8 +446,9 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       }
       next = atomicAdd(mp.l1.unit_counter, 1);
     }
-    // No more units: tell the math warpgroups, count this CTA out; the last one sets the unit
-    // counters back to zero.
+    // No more units: the combine (its math warpgroups' last unit), then tell the math
+    // warpgroups, count this CTA out; the last one sets the unit counters back to zero.
+    if (combining) name_unit(all_units);
     ptx::mbar_wait(&empty_bars[stage], phase ^ 1u);
     s_stage_unit[stage] = -1;
     ptx::mbar_arrive(&full_bars[stage]);
@@ -407,28 +471,58 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       ptx::mbar_wait(&full_bars[stage], phase);
       return static_cast<int>(s_stage_unit[stage]);
     };
-    for (int next = next_unit(); next >= 0 && next < all_units; next = next_unit()) {
+    const int mt = mwg * Cfg::kWarpgroupThreads + tid;  // this thread among the math threads
+    // A row unit (a gather or a rebase unit): rows [chunk x 64, + 64) of the slot, one warp per
+    // row (per_row(r, lane)); then the math warpgroups' barrier, one release add to the slot's
+    // count, and the stage back to the producer.
+    auto row_unit = [&](int slot, int chunk, auto&& per_row) {
+      const TileInfo st = ms.slot_info(slot);
+      const int row_end = min(st.row0 + st.num_rows, st.row0 + (chunk + 1) * kMegaUnitRows);
+      for (int r = st.row0 + chunk * kMegaUnitRows + mt / 32; r < row_end; r += kMathThreads / 32)
+        per_row(r, tid % 32);
+      ptx::named_barrier_sync(kBarMath, kMathThreads);
+      if (mt == 0) ptx::red_release_gpu_add(mp.ready + slot, 1);
+      ptx::mbar_arrive(&empty_bars[stage]);
+      if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+    };
+    // Asynchronous epilogue: no more units: once the epilogue warps have read this warpgroup's
+    // last one, stage -1 (they finish it and end).
+    auto end_epilogue = [&] {
+      if (staged_any) ptx::named_barrier_sync(Cfg::kBarStageFree + 2 * mwg, Cfg::kStageSyncThreads);
+      if (tid == 0) s_epi_unit[mwg] = -1;
+      ptx::named_barrier_arrive(Cfg::kBarStaged + 2 * mwg, Cfg::kStageSyncThreads);
+    };
+    for (int next = next_unit(); next >= 0; next = next_unit()) {
+      if (next == all_units) {
+        // The combine (MegaCombine), this CTA's last unit: once every L2 row the CTA computed is
+        // stored (the math warpgroups' barrier; asynchronous epilogue: the epilogue warps end
+        // first, and the barrier is with them), counted out, published by the last CTA out, y
+        // summed.
+        // NOTES: why a unit and not code after this loop: anything after the loop made ptxas
+        // spill inside the prefill tiles' mainloops (tuning log v34).
+        if constexpr (Cfg::kAsyncEpilogue) {
+          end_epilogue();
+          ptx::named_barrier_sync(kBarTail, kTailThreads);
+        } else {
+          ptx::named_barrier_sync(kBarMath, kMathThreads);
+        }
+        mega_combine<kMathThreads, kBarMath>(mp.combine, mp.l1.k, mt);
+        ptx::mbar_arrive(&empty_bars[stage]);
+        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+        continue;
+      }
       if (next < num_gather) {
-        // A gather unit: rows [chunk x 64, + 64) of the slot, one warp per row: lane 0 waits for
-        // the row's token to have arrived (its arrival word, acquire at system scope; the row
-        // was written by its source rank while this launch runs: read through L2), then the
-        // warp writes L1's B row (exact mode: the gather launch's BF16 conversion; FP8 mode:
-        // the rebase launch's E4M3 row and factor); then the math warpgroups' barrier, one
-        // release add to the slot's count, and the stage back to the producer.
-        const int slot = next / gather_target;
-        const int chunk = next % gather_target;
-        const TileInfo st = ms.slot_info(slot);
+        // A gather unit: lane 0 waits for the row's token to have arrived (its arrival word,
+        // acquire at system scope; the row was written by its source rank while this launch
+        // runs: read through L2), then the warp writes L1's B row (exact mode: the gather
+        // launch's BF16 conversion; FP8 mode: the rebase launch's E4M3 row and factor).
         const MegaGather& g = mp.gather;
         // (the call number its EP dispatch, the previous kernel, wrote)
         const uint64_t call =
             *reinterpret_cast<volatile const uint64_t*>(&g.arrival.local->dispatched);
         const int H = mp.l1.k;
         const uint32_t groups = static_cast<uint32_t>(H) / kScaleBlock;
-        const int lane = tid % 32;
-        const int row_end = min(st.row0 + st.num_rows, st.row0 + (chunk + 1) * kMegaRebaseRows);
-        constexpr int kWarps = Cfg::kNumMathWG * Cfg::kWarpgroupThreads / 32;
-        for (int r = st.row0 + chunk * kMegaRebaseRows + (mwg * Cfg::kWarpgroupThreads + tid) / 32;
-             r < row_end; r += kWarps) {
+        row_unit(next / gather_target, next % gather_target, [&](int r, int lane) {
           const int64_t token = __ldg(g.row_slot + r) / g.top_k;  // s * t_max + t
           if (lane == 0) ep::wait_row(g.arrival, token, call);
           __syncwarp();
@@ -441,39 +535,24 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
             for (int c = lane; c < H / kGatherVec; c += 32)
               gather_chunk<true>(x_row, sf_row, c, g.act + static_cast<int64_t>(r) * H);
           }
-        }
-        ptx::named_barrier_sync(kBarRebase, Cfg::kNumMathWG * Cfg::kWarpgroupThreads);
-        if (mwg == 0 && tid == 0) ptx::red_release_gpu_add(mp.ready + slot, 1);
-        ptx::mbar_arrive(&empty_bars[stage]);
-        if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+        });
         continue;
       }
       const int u = next - num_gather;
       if constexpr (kRebaseUnitsPerSlot > 0) {
         if (is_rebase(u)) {
-          // Rows [chunk x 64, + 64) of the slot, one warp per row (the rebase launch's
-          // arithmetic): L1's h_q / h_sf (written in this launch: read through L2 after an
-          // acquire of the slot's count) into L2's E4M3 rows and factors; then the math
-          // warpgroups' barrier, one release add, and the stage back to the producer.
+          // A rebase unit (the rebase launch's arithmetic): L1's h_q / h_sf (written in this
+          // launch: read through L2 after an acquire of the slot's count) into L2's E4M3 rows
+          // and factors.
           const int slot = (u - l1_units) / kRebaseUnitsPerSlot;
-          const int chunk = (u - l1_units) % kRebaseUnitsPerSlot;
-          const TileInfo st = ms.slot_info(slot);
           (void)ptx::ld_acquire_gpu(mp.ready + slot);
           const int cols = mp.l2.k;
           const uint32_t groups = static_cast<uint32_t>(cols) / kScaleBlock;
-          const int row_end = min(st.row0 + st.num_rows, st.row0 + (chunk + 1) * kMegaRebaseRows);
-          constexpr int kWarps = Cfg::kNumMathWG * Cfg::kWarpgroupThreads / 32;
-          for (int r = st.row0 + chunk * kMegaRebaseRows + (mwg * Cfg::kWarpgroupThreads + tid) / 32;
-               r < row_end; r += kWarps) {
+          row_unit(slot, (u - l1_units) % kRebaseUnitsPerSlot, [&](int r, int lane) {
             rebase_row_e4m3<true>(mp.l1.h_q + static_cast<int64_t>(r) * cols,
                                   mp.l1.h_sf + static_cast<int64_t>(r) * groups, groups,
-                                  mp.h_fp8 + static_cast<int64_t>(r) * cols, mp.h_factor + r,
-                                  tid % 32);
-          }
-          ptx::named_barrier_sync(kBarRebase, Cfg::kNumMathWG * Cfg::kWarpgroupThreads);
-          if (mwg == 0 && tid == 0) ptx::red_release_gpu_add(mp.ready + slot, 1);
-          ptx::mbar_arrive(&empty_bars[stage]);
-          if (++stage == Cfg::kNumStages) { stage = 0; phase ^= 1u; }
+                                  mp.h_fp8 + static_cast<int64_t>(r) * cols, mp.h_factor + r, lane);
+          });
           continue;
         }
       }
@@ -567,10 +646,7 @@ sm90_mega_moe_kernel(const __grid_constant__ CUtensorMap tmap_act,
       }
     }
     if constexpr (Cfg::kAsyncEpilogue) {
-      // No more units: once the epilogue warps have read this warpgroup's last one, stage -1.
-      if (staged_any) ptx::named_barrier_sync(Cfg::kBarStageFree + 2 * mwg, Cfg::kStageSyncThreads);
-      if (tid == 0) s_epi_unit[mwg] = -1;
-      ptx::named_barrier_arrive(Cfg::kBarStaged + 2 * mwg, Cfg::kStageSyncThreads);
+      if (!combining) end_epilogue();
     }
   }
 }

@@ -154,8 +154,9 @@ class MoELayer:
     @property
     def last_call_kernels(self):
         """Which kernels ran the expert GEMMs of the last call (host-side record, no wait): 'cpu';
-        sm90: 'chain' (the GEMM launches), 'mega' (the MegaMoE kernel) or 'mega+dispatch' (the
-        MegaMoE kernel with the dispatch inside, LayerConfig(mega_dispatch=True))."""
+        sm90: 'chain' (the GEMM launches) or 'mega' (the MegaMoE kernel), the latter with
+        '+dispatch' when it gathered the received rows (LayerConfig(mega_dispatch=True)) and
+        '+combine' when it also summed y (LayerConfig(mega_combine=True), the default)."""
         return self._layer.last_call_kernels
 
     def _stream_handle(self, stream):

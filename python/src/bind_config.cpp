@@ -41,6 +41,7 @@ std::string config_repr(const LayerConfig& c) {
                         to_string(c.precision), "', gemm_tile='", c.sm90.gemm_tile, "'",
                         c.sm90.mega_kernel ? ", mega_kernel=True" : "",
                         c.sm90.mega_dispatch ? ", mega_dispatch=True" : "",
+                        c.sm90.mega_combine ? "" : ", mega_combine=False",
                         c.sm90.decode_front ? "" : ", decode_front=False", ")");
 }
 
@@ -126,7 +127,7 @@ void register_config(nb::module_& m) {
              const std::string& gemm_tile, bool programmatic_launch, const std::string& rows_hint,
              bool sync_error_check, const std::string& precision,
              int64_t fp8_min_rows_per_expert, bool mega_kernel, bool decode_front,
-             bool mega_dispatch) {
+             bool mega_dispatch, bool mega_combine) {
             LayerConfig c;
             c.shape = to_shape(shape);
             if (activation) {
@@ -144,6 +145,7 @@ void register_config(nb::module_& m) {
             c.sm90.mega_kernel = mega_kernel;
             c.sm90.decode_front = decode_front;
             c.sm90.mega_dispatch = mega_dispatch;
+            c.sm90.mega_combine = mega_combine;
             c.sync_error_check = sync_error_check;
             c.precision = parse_precision(precision);
             c.fp8_min_rows_per_expert = fp8_min_rows_per_expert;
@@ -157,6 +159,7 @@ void register_config(nb::module_& m) {
           nb::arg("sync_error_check") = false, nb::arg("precision") = "exact",
           nb::arg("fp8_min_rows_per_expert") = 128, nb::arg("mega_kernel") = false,
           nb::arg("decode_front") = true, nb::arg("mega_dispatch") = false,
+          nb::arg("mega_combine") = true,
           "shape: a LayerShape or a preset name ('kimi-k3', 'deepseek-v3', 'gpt-oss-120b', "
           "'small'). activation: an Activation or a spec string; None takes the preset's "
           "activation when shape is a name, else 'swiglu'. gemm_tile, programmatic_launch, "
@@ -174,7 +177,9 @@ void register_config(nb::module_& m) {
           "T * K <= 1024 on one GPU (exact mode) in one launch (False: three; the same results). "
           "mega_dispatch (with mega_kernel, under expert parallelism): the MegaMoE kernel gathers "
           "each received token row as it arrives instead of a gather launch after every rank's "
-          "rows (the same results). Validated on construction.")
+          "rows (the same results). mega_combine (with mega_kernel): the MegaMoE kernel also sums "
+          "y (and under expert parallelism returns its rows' signal) instead of launches after it "
+          "(the same results; False for measuring). Validated on construction.")
       .def_rw("shape", &LayerConfig::shape)
       .def_rw("activation", &LayerConfig::activation)
       .def_rw("ep_size", &LayerConfig::ep_size)
@@ -194,6 +199,9 @@ void register_config(nb::module_& m) {
       .def_prop_rw(
           "mega_dispatch", [](const LayerConfig& c) { return c.sm90.mega_dispatch; },
           [](LayerConfig& c, bool v) { c.sm90.mega_dispatch = v; })
+      .def_prop_rw(
+          "mega_combine", [](const LayerConfig& c) { return c.sm90.mega_combine; },
+          [](LayerConfig& c, bool v) { c.sm90.mega_combine = v; })
       .def_prop_rw(
           "decode_front", [](const LayerConfig& c) { return c.sm90.decode_front; },
           [](LayerConfig& c, bool v) { c.sm90.decode_front = v; })

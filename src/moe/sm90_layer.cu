@@ -94,6 +94,7 @@ WorkspaceView carve(uint8_t* base, const LayerConfig& c, int64_t max_rows, bool 
     v.mega.split_partials = carver.take<float>(v.mega.split_partial_floats);
     v.mega.split_counters_capacity = mega_split_counters(sms);
     v.mega.split_counters = carver.take<int32_t>(v.mega.split_counters_capacity);
+    v.mega.combine_counters = carver.take<uint32_t>(2);
   }
   *bytes = carver.bytes();
   return v;
@@ -126,6 +127,10 @@ RowsHint ep_rows_hint(const LayerConfig& c, int64_t num_tokens, int ranks, int64
   const int64_t per_expert_max = c.sm90.rows_hint == RowsHintMode::kGated ? std::min(max_rows, ranks * t) : 0;
   return {t * c.shape.top_k, per_expert_max};
 }
+
+// The most tokens a rank's MegaMoE kernel combines with its last CTA alone (several ranks on one
+// GPU): T * H / 8 items of K loads each for one CTA's math threads.
+constexpr int64_t kLastCtaCombineMaxTokens = 32;
 
 }  // namespace
 
@@ -346,15 +351,14 @@ L2Args Sm90Layer::l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, b
   return l2;
 }
 
-bool Sm90Layer::launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
-                                   cudaStream_t stream, const int32_t* topk_idx,
-                                   int64_t topk_slots) {
+bool Sm90Layer::launch_gemms_fused(const L1Args& l1, const L2Args& l2, cudaStream_t stream,
+                                   const MegaGather* gather, const MegaCombine* combine) {
   // (FP8 mode: the kernel also rebases L1's rows into L2's, the rebase launch between the
   // chained GEMMs.)
-  last_dispatch_fused_ = false;
   last_gemms_fused_ = config_.sm90.mega_kernel &&
-                     launch_mega(l1_args(rows_hint, per_expert_max, pdl, fp8, topk_idx, topk_slots),
-                                 l2_args(rows_hint, per_expert_max, pdl, fp8), view_.mega, stream);
+                      launch_mega(l1, l2, view_.mega, stream, gather, combine);
+  last_dispatch_fused_ = last_gemms_fused_ && gather != nullptr;
+  last_combine_fused_ = last_gemms_fused_ && combine != nullptr;
   return last_gemms_fused_;
 }
 
@@ -427,19 +431,31 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   // writes row_offsets) L1's schedule is counted from the ids (L1Args::topk_idx).
   const RowsHint rows = rows_hint(config_, num_tokens, slots);
   const int32_t* schedule_ids = front ? topk_idx : nullptr;
-  if (!launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream, schedule_ids,
-                          slots)) {
-    launch_l1(l1_args(rows.hint, rows.per_expert_max, pdl, fp8, schedule_ids, slots), stream);
+  const L1Args l1 = l1_args(rows.hint, rows.per_expert_max, pdl, fp8, schedule_ids, slots);
+  const L2Args l2 = l2_args(rows.hint, rows.per_expert_max, pdl, fp8);
+  // The combine inside the kernel (config.sm90.mega_combine) on whole calls (a stage prefix up to
+  // "l2" times the GEMMs).
+  MegaCombine combine;
+  combine.rows = view_.out;
+  combine.slot_to_row = view_.slot_to_row;
+  combine.y = y;
+  combine.num_tokens = static_cast<int32_t>(num_tokens);
+  combine.top_k = static_cast<int32_t>(s.top_k);
+  combine.all_ctas = 1;  // one grid alone: every CTA sums its share
+  const bool combine_inside = config_.sm90.mega_combine && !done(Stage::kL2);
+  if (!launch_gemms_fused(l1, l2, stream, nullptr, combine_inside ? &combine : nullptr)) {
+    launch_l1(l1, stream);
     if (fp8) {
       launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
                               s.intermediate, slots, view_.h_fp8, view_.h_factor, stream, pdl);
     }
     if (done(Stage::kL1)) return;
-    launch_l2(l2_args(rows.hint, rows.per_expert_max, pdl, fp8), stream);
+    launch_l2(l2, stream);
   }
   if (done(Stage::kL2)) return;
 
-  launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream, pdl);
+  if (!last_combine_fused_)
+    launch_combine(view_.out, view_.slot_to_row, num_tokens, s.top_k, s.hidden, y, stream, pdl);
   if (config_.sync_error_check) {
     MEGAMOE_CHECK_ARG(!capturing(stream), "forward: config.sync_error_check waits for every call, "
                       "which a stream under CUDA-graph capture cannot; turn it off to capture");
@@ -507,8 +523,8 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   // gather units would only cost: docs/perf.md): its gather units take each received row as it
   // arrives, so the dispatch kernel does not wait for the rows (only for every rank's slot ids,
   // to sort them).
-  const bool gather_inside = config_.sm90.mega_kernel && config_.sm90.mega_dispatch &&
-                             !fused_send && mega_fuses(l1, l2, view_.mega);
+  const bool gather_inside = config_.sm90.mega_dispatch && !fused_send &&
+                             mega_fuses(l1, l2, view_.mega);  // (mega_dispatch needs mega_kernel)
   MegaGather gather;
   if (gather_inside) {
     gather.x_q = window + w.recv_xq;
@@ -528,10 +544,26 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   // row_dst: each received row's destination, its source's combine slot, where L2 writes it.
   ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights,
                       view_.row_dst, stream, pdl, /*wait_rows=*/!gather_inside);
+  // The combine inside the kernel (config.sm90.mega_combine): it returns this rank's rows' signal
+  // and waits for every rank's as ep_return does, then sums y. Alone on its GPU every CTA waits
+  // and sums its share; with several ranks on one GPU only the last CTA out (a rank waiting for
+  // the others must hold no more than one CTA), so only for calls of up to
+  // kLastCtaCombineMaxTokens.
+  // Each rank decides for itself: the signals are the same either way.
+  MegaCombine combine;
+  combine.rows = reinterpret_cast<const uint16_t*>(window + w.combine);
+  combine.slot_to_row = view_.slot_to_row;
+  combine.y = t > 0 ? y : nullptr;
+  combine.num_tokens = static_cast<int32_t>(t);
+  combine.top_k = static_cast<int32_t>(s.top_k);
+  combine.all_ctas = p.early_launch;
+  combine.expert_parallel = 1;
+  combine.ep = p;
+  const bool combine_inside = config_.sm90.mega_combine &&
+                              (p.early_launch != 0 || t <= kLastCtaCombineMaxTokens);
+  const MegaCombine* combine_arg = combine_inside ? &combine : nullptr;
   if (gather_inside) {
-    last_gemms_fused_ = launch_mega(l1, l2, view_.mega, stream, &gather);
-    last_dispatch_fused_ = true;
-    MEGAMOE_CHECK(last_gemms_fused_, ErrorCode::kInternal,
+    MEGAMOE_CHECK(launch_gemms_fused(l1, l2, stream, &gather, combine_arg), ErrorCode::kInternal,
                   "forward: the MegaMoE kernel declined a call its policy had taken");
   } else if (fp8) {
     launch_rebase_rows_e4m3(window + w.recv_xq, window + w.recv_sf, view_.row_offsets,
@@ -544,7 +576,7 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
 
   // L2 (chained or in the MegaMoE kernel) writes its rows straight into their sources' combine
   // slots (l2_args: out_rows = row_dst); the return then only signals and waits.
-  if (!gather_inside && !launch_gemms_fused(rows.hint, rows.per_expert_max, pdl, fp8, stream)) {
+  if (!gather_inside && !launch_gemms_fused(l1, l2, stream, nullptr, combine_arg)) {
     launch_l1(l1, stream);
     if (fp8) {
       launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
@@ -554,10 +586,12 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
     launch_l2(l2, stream);
   }
 
-  ep::launch_return(p, nullptr, view_.row_offsets, view_.row_slot, stream, pdl);
-  if (t > 0)
-    launch_combine(reinterpret_cast<const uint16_t*>(window + w.combine), view_.slot_to_row, t,
-                   s.top_k, s.hidden, y, stream, pdl);
+  if (!last_combine_fused_) {
+    ep::launch_return(p, nullptr, view_.row_offsets, view_.row_slot, stream, pdl);
+    if (t > 0)
+      launch_combine(reinterpret_cast<const uint16_t*>(window + w.combine), view_.slot_to_row, t,
+                     s.top_k, s.hidden, y, stream, pdl);
+  }
   MEGAMOE_CHECK(!over, ErrorCode::kOutOfRange, "forward: EP rank ", g.rank, " of ", g.size,
                 ": num_tokens ", num_tokens, " exceeds the layer capacity max_tokens_per_rank = ",
                 config_.max_tokens_per_rank, " (this rank took part with no tokens; every other "
@@ -634,7 +668,10 @@ class Sm90Backend final : public LayerBackend {
   const std::shared_ptr<EpGroup>& ep_group() const override { return layer_.ep_group(); }
   std::string last_call_kernels() const override {
     if (!layer_.last_gemms_fused()) return "chain";
-    return layer_.last_dispatch_fused() ? "mega+dispatch" : "mega";
+    std::string kernels = "mega";
+    if (layer_.last_dispatch_fused()) kernels += "+dispatch";
+    if (layer_.last_combine_fused()) kernels += "+combine";
+    return kernels;
   }
 
  private:

@@ -128,8 +128,10 @@ class Sm90Layer {
   // Whether the last call's two GEMMs ran in the MegaMoE kernel (launch_mega), for tests and
   // benchmarks that compare it with the chain.
   bool last_gemms_fused() const { return last_gemms_fused_; }
-  // Whether that launch also gathered the received rows (config.sm90.mega_dispatch).
+  // Whether that launch also gathered the received rows (config.sm90.mega_dispatch), and whether
+  // it also summed y (config.sm90.mega_combine).
   bool last_dispatch_fused() const { return last_dispatch_fused_; }
+  bool last_combine_fused() const { return last_combine_fused_; }
 
   const LayerConfig& config() const { return config_; }
   const MoeWeights& weights() const { return *weights_; }
@@ -152,11 +154,12 @@ class Sm90Layer {
   L1Args l1_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false,
                  const int32_t* topk_idx = nullptr, int64_t topk_slots = 0) const;
   L2Args l2_args(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8 = false) const;
-  // Both GEMMs in one launch of the MegaMoE kernel where config.sm90.mega_kernel is on and its
-  // policy takes the call (launch_mega); false: nothing launched, the caller chains them.
-  bool launch_gemms_fused(int64_t rows_hint, int64_t per_expert_max, bool pdl, bool fp8,
-                          cudaStream_t stream, const int32_t* topk_idx = nullptr,
-                          int64_t topk_slots = 0);
+  // Both GEMMs (l1, l2: the chain's arguments) in one launch of the MegaMoE kernel where
+  // config.sm90.mega_kernel is on and its policy takes the call (launch_mega), with `gather` and
+  // `combine` inside where given; false: nothing launched, the caller chains them. Sets the
+  // last_*_fused flags.
+  bool launch_gemms_fused(const L1Args& l1, const L2Args& l2, cudaStream_t stream,
+                          const MegaGather* gather = nullptr, const MegaCombine* combine = nullptr);
   void forward_ep(const uint16_t* x, const int32_t* topk_idx, const float* topk_weights,
                   int64_t num_tokens, uint16_t* y, cudaStream_t stream);
 
@@ -174,6 +177,7 @@ class Sm90Layer {
   TileRequest fp8_tile_;  // the FP8 mode's: automatic, or a forced FP8 tile (config.sm90.gemm_tile)
   bool last_gemms_fused_ = false;
   bool last_dispatch_fused_ = false;
+  bool last_combine_fused_ = false;
   std::shared_ptr<EpGroup> ep_;        // null: one GPU (ep_size > 1 computes this rank's slice)
   volatile int32_t* error_flag_host_ = nullptr;  // mapped pinned host memory (DispatchParams)
   int32_t* error_flag_dev_ = nullptr;

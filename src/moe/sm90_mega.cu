@@ -10,6 +10,7 @@
 #include "moe/sm90_gemm_launch.hpp"
 #include "moe/sm90_tile_policy.hpp"
 #include "runtime/cuda_device.hpp"
+#include "sm90/sm90_combine_chunk.cuh"
 #include "sm90/sm90_tile_schedule.hpp"
 
 namespace megamoe::sm90 {
@@ -85,8 +86,32 @@ void check_mega_gather(const MegaGather& g, const L1Args& a1) {
                     a1.act_fp8 != nullptr ? "act_row_factor with act_fp8" : "act", ", got null");
 }
 
+void check_mega_combine(const MegaCombine& c, const L1Args& a1, const MegaWorkspace& ws) {
+  MEGAMOE_CHECK_ARG(ws.combine_counters != nullptr,
+                    "launch_mega: the combine inside the launch needs the workspace's "
+                    "combine_counters, got null");
+  MEGAMOE_CHECK_ARG(c.num_tokens >= 0 && c.top_k > 0 && a1.hidden % kCombineVec == 0 &&
+                        static_cast<int64_t>(c.num_tokens) * a1.hidden / kCombineVec <= UINT32_MAX,
+                    "launch_mega: the combine takes T >= 0, top_k > 0, H a multiple of ",
+                    kCombineVec, " and T * H / ", kCombineVec, " < 2^32, got T = ", c.num_tokens,
+                    ", top_k = ", c.top_k, ", H = ", a1.hidden);
+  MEGAMOE_CHECK_ARG(c.num_tokens == 0 ||
+                        (c.rows != nullptr && c.slot_to_row != nullptr && c.y != nullptr &&
+                         reinterpret_cast<uintptr_t>(c.rows) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(c.y) % 16 == 0),
+                    "launch_mega: the combine reads rows and writes y 16 bytes at a time: expected "
+                    "16-byte aligned rows and y and a slot_to_row map, got rows ",
+                    static_cast<const void*>(c.rows), ", y ", static_cast<const void*>(c.y),
+                    ", slot_to_row ", static_cast<const void*>(c.slot_to_row));
+  MEGAMOE_CHECK_ARG(c.expert_parallel == 0 || (c.ep.size >= 1 && c.ep.peers[c.ep.rank] != nullptr),
+                    "launch_mega: the combine under expert parallelism needs the rank's EpParams");
+  MEGAMOE_CHECK_ARG(c.all_ctas != 0 || c.expert_parallel != 0,
+                    "launch_mega: the combine by the last CTA alone is for several ranks on one "
+                    "GPU (expert parallelism)");
+}
+
 bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream,
-                 const MegaGather* gather) {
+                 const MegaGather* gather, const MegaCombine* combine) {
   const bool fp8 = a1.act_fp8 != nullptr;
   const MegaChoice choice = mega_choice(a1, a2, ws);
   if (!choice.fused) return false;
@@ -108,7 +133,14 @@ bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cu
     mp.gather.act_fp8 = fp8 ? const_cast<uint8_t*>(a1.act_fp8) : nullptr;
     mp.gather.act_factor = fp8 ? const_cast<float*>(a1.act_row_factor) : nullptr;
   }
-  if (a1.max_rows == 0) return true;  // no rows can exist: nothing to run
+  if (combine != nullptr) {
+    check_mega_combine(*combine, a1, ws);
+    mp.combine = *combine;
+    mp.combine.counters = ws.combine_counters;
+  }
+  // No rows can exist: nothing to run (unless the combine has to: it zeroes y, and under expert
+  // parallelism returns this rank's signal).
+  if (a1.max_rows == 0 && combine == nullptr) return true;
   MEGAMOE_CHECK_ARG(a2.num_experts == a1.num_experts && a2.max_rows == a1.max_rows &&
                         a2.row_offsets == a1.row_offsets && a2.hidden == a1.hidden &&
                         a2.intermediate == a1.intermediate,

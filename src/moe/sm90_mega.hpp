@@ -24,6 +24,8 @@ struct MegaWorkspace {
   int64_t split_partial_floats = 0;
   int32_t* split_counters = nullptr;
   int64_t split_counters_capacity = 0;
+  // The combine inside the launch (MegaCombine::counters): 2 words, zero-initialized once.
+  uint32_t* combine_counters = nullptr;
   bool empty() const { return ready == nullptr || consumed == nullptr; }
 };
 
@@ -47,15 +49,20 @@ int64_t mega_counters(int64_t max_rows, int num_experts);
 // `gather` (optional: its inputs, x_q, x_sf, row_slot, arrival, top_k) gathers L1's B rows
 // (l1.act, or in the FP8 mode l1.act_fp8 / act_row_factor) from the received rows inside the
 // launch, each row once it has arrived (MegaGather; what launch_gather or
-// launch_rebase_rows_e4m3 before it would write).
+// launch_rebase_rows_e4m3 before it would write). `combine` (optional: its rows, slot_to_row, y,
+// T, K, all_ctas and, under expert parallelism, the rank's EpParams; the counters are ws's) sums y
+// inside the launch after both GEMMs (MegaCombine; what launch_combine after it, and under expert
+// parallelism ep::launch_return before that, would do).
 bool launch_mega(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws, cudaStream_t stream,
-                 const MegaGather* gather = nullptr);
+                 const MegaGather* gather = nullptr, const MegaCombine* combine = nullptr);
 // Whether launch_mega with these arguments runs the kernel (the policy's choice), without
 // launching: a caller that gathers inside the launch decides its EP dispatch by it.
 bool mega_fuses(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws);
 // The checks launch_mega makes of `gather` (throws kInvalidArgument naming what is missing); a
 // caller that launches the EP dispatch first makes them before it.
 void check_mega_gather(const MegaGather& gather, const L1Args& l1);
+// The same for `combine` (ws: its counters).
+void check_mega_combine(const MegaCombine& combine, const L1Args& l1, const MegaWorkspace& ws);
 
 // Loads every MegaMoE kernel now (see load_gemm_kernels).
 void load_mega_kernels();

@@ -2,6 +2,8 @@
 // for the generated translation units only (sm90_mega_tile.cu.in, one per kMegaTiles entry).
 #pragma once
 
+#include <algorithm>
+
 #include "megamoe/error.hpp"
 #include "moe/sm90_gemm.hpp"
 #include "moe/sm90_gemm_launch.hpp"
@@ -57,8 +59,18 @@ void launch_mega_tile(const MegaParams& mp, const void* act, const void* h_act, 
   // (FP8 tiles: E4M3 rows, act_fp8 and h_fp8; exact mode: BF16 act and h_act.)
   const CUtensorMap map_act = make_rows_map(act, rows, mp.l1.k, Cfg::kBlockN, Cfg::kFp8);
   const CUtensorMap map_h = make_rows_map(h_act, rows, mp.l2.k, Cfg::kBlockN, Cfg::kFp8);
-  const int grid = dev.sm_count * Cfg::kMinBlocksPerSM;
-  cuda::launch(kernel, grid, Cfg::kThreads, mega_smem_bytes<Cfg>(mp.l1.num_experts), stream,
+  // A persistent grid: at most what is resident at once (the shared memory of many local
+  // experts can allow fewer CTAs per SM than the tile's kMinBlocksPerSM), which the combine
+  // inside the launch needs: every CTA counts itself out before any sums, and with all_ctas
+  // each waits for the others.
+  const size_t smem = mega_smem_bytes<Cfg>(mp.l1.num_experts);
+  int per_sm = 0;
+  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem));
+  MEGAMOE_CHECK(per_sm >= 1, ErrorCode::kUnsupported, "sm90 MegaMoE kernel: tile ",
+                Cfg::kTile.name, " with ", mp.l1.num_experts, " local experts (", smem,
+                " bytes of shared memory) has no resident CTA per SM");
+  const int grid = dev.sm_count * std::min(Cfg::kMinBlocksPerSM, per_sm);
+  cuda::launch(kernel, grid, Cfg::kThreads, smem, stream,
                mp.l1.prefetch_before_wait != 0, map_act, map_h, mp);
 }
 

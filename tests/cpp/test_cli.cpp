@@ -227,7 +227,7 @@ TEST_F(Cli, HelpDocumentsEveryOption) {
                           "--ep-size", "--ep-rank", "--routing", "--bias", "--capacity", "--warmup",
                           "--iters", "--threads", "--no-check", "--max-diff", "--json", "--hidden",
                           "--intermediate", "--experts", "--top-k", "--ep-timeout",
-                          "--ep-max-recv-rows", "--mega", "--mega-dispatch", "virtual ranks",
+                          "--ep-max-recv-rows", "--mega", "--mega-dispatch", "--no-mega-combine", "virtual ranks",
                           "On the cpu backend"})
     EXPECT_NE(r.output.find(opt), std::string::npos) << opt << " undocumented:\n" << r.output;
   r = run_cli("model --help");

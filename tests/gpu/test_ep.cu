@@ -17,7 +17,7 @@ constexpr const char* kFixedTile = "prefill_256x128_k2_staged";
 
 LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kFixedTile,
                       Precision precision = Precision::kExact, bool mega = false,
-                      bool mega_dispatch = false) {
+                      bool mega_dispatch = false, bool mega_combine = true) {
   LayerConfig c;
   c.shape = shape_preset(shape);
   c.activation = activation_preset(shape);
@@ -27,7 +27,19 @@ LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kF
   c.fp8_min_rows_per_expert = 0;  // with precision fp8: every call (one FP8 tile, no split-K)
   c.sm90.mega_kernel = mega;
   c.sm90.mega_dispatch = mega_dispatch;
+  c.sm90.mega_combine = mega_combine;
   return c;
+}
+
+// What a virtual rank's call of T tokens runs with the MegaMoE kernel on a forced tile: the
+// dispatch inside where it sends with ep_send (T > 32), the combine inside (by its last CTA)
+// where T <= 32.
+std::string virtual_rank_kernels(const LayerConfig& c, int64_t t) {
+  if (!c.sm90.mega_kernel) return "chain";
+  std::string k = "mega";
+  if (c.sm90.mega_dispatch && t > 32) k += "+dispatch";
+  if (c.sm90.mega_combine && t <= 32) k += "+combine";
+  return k;
 }
 
 int64_t count_mismatches(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
@@ -47,14 +59,15 @@ std::string describe(const std::vector<int64_t>& tokens) {
 void expect_equal_to_one_gpu(const char* shape, int ranks, const std::vector<int64_t>& tokens,
                              Routing routing, uint64_t seed, const char* tile = kFixedTile,
                              Precision precision = Precision::kExact, bool mega = false,
-                             bool mega_dispatch = false) {
+                             bool mega_dispatch = false, bool mega_combine = true) {
   const int64_t cap = *std::max_element(tokens.begin(), tokens.end());
-  const LayerConfig c =
-      ep_config(shape, std::max<int64_t>(cap, 1), tile, precision, mega, mega_dispatch);
+  const LayerConfig c = ep_config(shape, std::max<int64_t>(cap, 1), tile, precision, mega,
+                                  mega_dispatch, mega_combine);
   SCOPED_TRACE(std::string(shape) + " EP=" + std::to_string(ranks) + " T=" + describe(tokens) +
                " routing " + routing_name(routing) + " tile " + tile + " precision " +
                to_string(precision) + (mega ? " MegaMoE kernel" : "") +
-               (mega_dispatch ? " with the dispatch inside" : ""));
+               (mega_dispatch ? " with the dispatch inside" : "") +
+               (mega && !mega_combine ? " without the combine inside" : ""));
   const EpInputs in = make_ep_inputs(c, tokens, routing, seed, 0.1);
   OneGpu one(c, in.total(), seed);
   const std::vector<uint16_t> expected = one.run(in);
@@ -65,11 +78,9 @@ void expect_equal_to_one_gpu(const char* shape, int ranks, const std::vector<int
     ep.forward();
     ep.sync();
     for (int r = 0; r < ranks; ++r) ASSERT_NO_THROW(ep.layer(r).check_errors(ep.stream(r)));
-    if (mega_dispatch) {  // the kernel with its gather units on every rank that sent with
-                          // ep_send (T > 32; forced tiles), without them on the others
+    if (mega) {  // (forced tiles: the policy fuses every call)
       for (int r = 0; r < ranks; ++r)
-        EXPECT_EQ(ep.layer(r).last_call_kernels(), tokens[r] > 32 ? "mega+dispatch" : "mega")
-            << "rank " << r;
+        EXPECT_EQ(ep.layer(r).last_call_kernels(), virtual_rank_kernels(c, tokens[r])) << "rank " << r;
     }
     const std::vector<uint16_t> y = ep.output();
     ASSERT_EQ(y.size(), expected.size());
@@ -129,6 +140,9 @@ TEST(Ep, VirtualRanksMegaKernelEqualOneGpu) {
                           "decode_128x8_k4_warp", Precision::kExact, true);
   expect_equal_to_one_gpu("kimi-k3", 8, {1, 1, 1, 1, 1, 1, 1, 1}, Routing::kUniform, 3591,
                           "decode_128x16_k2_warp", Precision::kExact, true);
+  // The return and combine launches after the kernel (LayerConfig::sm90.mega_combine off).
+  expect_equal_to_one_gpu("small", 8, {16, 3, 0, 64, 7, 0, 1, 40}, Routing::kSkewed, 3592,
+                          "decode_128x8_k4_warp", Precision::kExact, true, false, false);
   // The prefill tiles (one CTA per SM with setmaxnreg, the asynchronous epilogue's warps
   // publishing L1 tiles): R kernels that each fill every SM.
   for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
@@ -303,7 +317,12 @@ TEST(Ep, ReceiveOverflowFailsOnEveryRank) {
 // stage and the call number, and refuse later calls.
 TEST(Ep, MissingRankTimesOut) {
   MEGAMOE_REQUIRE_SM90();
-  const LayerConfig c = ep_config("small", 8);
+  // The chain, and the MegaMoE kernel with the combine inside (its wait for the missing rank's
+  // return finds the window broken and gives up at once).
+  for (bool mega : {false, true}) {
+  SCOPED_TRACE(mega ? "MegaMoE kernel, combine inside" : "chain");
+  const LayerConfig c = ep_config("small", 8, mega ? "decode_128x16_k2_warp" : kFixedTile,
+                                  Precision::kExact, mega);
   EpOptions options;
   options.timeout_s = 0.2;
   EpRanks ep(c, 4, 995, options);
@@ -330,6 +349,8 @@ TEST(Ep, MissingRankTimesOut) {
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kTimeout);
     }
+    if (mega) EXPECT_EQ(ep.layer(r).last_call_kernels(), "mega+combine") << "rank " << r;
+  }
   }
 }
 
@@ -369,6 +390,7 @@ void expect_graph_replay_equals_eager(bool mega, bool mega_dispatch = false) {
   });
   if (mega_dispatch) {
     EXPECT_EQ(ep.layer(0).last_call_kernels(), "mega+dispatch") << "the captured call of rank 0";
+    EXPECT_EQ(ep.layer(1).last_call_kernels(), "mega+combine") << "the captured call of rank 1";
   }
   for (int rep = 0; rep < 3; ++rep) {
     for (const EpInputs* in : {&a, &b}) {
@@ -449,12 +471,16 @@ TEST(EpNccl, OneRankEqualsPlainLayer) {
                 "(put a newer one first on LD_LIBRARY_PATH)\n");
     GTEST_SKIP() << "no usable libnccl";
   }
-  for (int mode = 0; mode < 3; ++mode) {  // chain, MegaMoE kernel, and with the dispatch inside
-    SCOPED_TRACE(mode == 0 ? "chain" : mode == 1 ? "MegaMoE kernel" : "MegaMoE dispatch");
-    const char* kernels[] = {"chain", "mega", "mega+dispatch"};
+  // The chain; the MegaMoE kernel with the combine inside (alone on the GPU: every CTA waits
+  // for the ranks' returns and sums its share), also with the dispatch inside, and without the
+  // combine inside.
+  const char* kernels[] = {"chain", "mega+combine", "mega+dispatch+combine", "mega"};
+  for (int mode = 0; mode < 4; ++mode) {
+    SCOPED_TRACE(kernels[mode]);
     expect_nccl_one_rank_equals_plain(mode == 0 ? ep_config("small", 64)
                                                 : ep_config("small", 64, "decode_128x16_k2_warp",
-                                                            Precision::kExact, true, mode == 2),
+                                                            Precision::kExact, true, mode == 2,
+                                                            mode != 3),
                                       kernels[mode]);
   }
 }

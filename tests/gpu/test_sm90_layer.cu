@@ -153,6 +153,7 @@ struct LayerCase {
   int64_t max_checked_tokens = 1 << 30;  // compare a strided subset beyond this
   std::string gemm_tile = "auto";          // LayerConfig::sm90.gemm_tile
   bool mega = false;                       // LayerConfig::sm90.mega_kernel
+  bool mega_combine = true;                // LayerConfig::sm90.mega_combine (with mega)
   bool decode_front = true;                // LayerConfig::sm90.decode_front
   bool fp8 = false;                        // precision fp8 (from fp8_min_rows rows per expert)
   int64_t fp8_min_rows = 0;                // LayerConfig::fp8_min_rows_per_expert with fp8
@@ -161,7 +162,7 @@ struct LayerCase {
            std::to_string(tokens) + " routing=" + test::routing_name(routing) + " act=" +
            (activation.empty() ? "preset" : activation) + (fast_math ? " fast_math" : " exact_math") +
            (bias ? " bias" : "") + " empty=" + std::to_string(empty_fraction) + " tile=" + gemm_tile +
-           (mega ? " mega" : "") + (decode_front ? "" : " no_front") + (fp8 ? " fp8" : "");
+           (mega ? (mega_combine ? " mega" : " mega without the combine") : "") + (decode_front ? "" : " no_front") + (fp8 ? " fp8" : "");
   }
 };
 
@@ -194,6 +195,7 @@ std::unique_ptr<Sm90Layer> make_layer(const LayerCase& c, LayerConfig* config_ou
   config.fast_math = c.fast_math;
   config.sm90.gemm_tile = c.gemm_tile;
   config.sm90.mega_kernel = c.mega;
+  config.sm90.mega_combine = c.mega_combine;
   config.sm90.decode_front = c.decode_front;
   if (c.fp8) {
     config.precision = Precision::kFp8;
@@ -979,6 +981,8 @@ void expect_counters_zero(const Sm90Layer& layer) {
       << "consumed counters left set";
   EXPECT_EQ(units[0], 0) << "unit counter left set";
   EXPECT_EQ(units[1], 0) << "CTA exit counter left set";
+  const auto combine = test::download(v.mega.combine_counters, 2);
+  EXPECT_EQ(combine[0], 0u) << "the combine's CTA count left set";
 }
 
 // The fused kernel against the chain on the same tile: y and the intermediate h_q / h_sf bit for
@@ -1008,6 +1012,7 @@ void expect_mega_equals_chain(LayerCase c, uint64_t seed, bool y_too = true) {
   for (int call = 0; call < 2; ++call) {
     const LayerRun got = run(*mega);
     EXPECT_TRUE(mega->last_gemms_fused()) << "call " << call << ": the MegaMoE kernel did not run";
+    EXPECT_EQ(mega->last_combine_fused(), c.mega_combine) << "call " << call;
     EXPECT_EQ(got.h_q, want.h_q) << "call " << call << ": h_q differs from the chain";
     EXPECT_EQ(got.h_sf, want.h_sf) << "call " << call << ": h_sf differs from the chain";
     int64_t differ = 0;
@@ -1065,6 +1070,28 @@ TEST(Sm90Layer, MegaKernelEqualsTheChainBitForBit) {
   LayerCase ds = mega_case("deepseek-v3", 512);
   ds.gemm_tile = "prefill_256x64_k2_async";
   expect_mega_equals_chain(ds, seed++);
+}
+
+// The combine by its own launch after the fused kernel (LayerConfig::sm90.mega_combine off), and
+// the combine inside at token counts whose items do not fill the grid, fill it several times, and
+// on a tile of each epilogue kind: both equal the chain bit for bit.
+TEST(Sm90Layer, MegaCombineInsideAndByLaunchEqualTheChain) {
+  MEGAMOE_REQUIRE_SM90();
+  uint64_t seed = 3400;
+  for (bool inside : {false, true}) {
+    for (const char* tile : {"decode_128x16_k2_warp", "prefill_128x192_async",
+                             "prefill_256x128_k2_staged"}) {
+      for (int64_t t : {int64_t(1), int64_t(33), int64_t(1500)}) {
+        // (kimi-k3 EP 8 rank 5's slice at decode: 7168 channels over 132 CTAs' combine)
+        const bool kimi = t == 1 && std::string(tile).rfind("decode", 0) == 0;
+        LayerCase c = mega_case(kimi ? "kimi-k3" : "small", t, Routing::kSkewed, kimi ? 8 : 1,
+                                kimi ? 5 : 0);
+        c.gemm_tile = tile;
+        c.mega_combine = inside;
+        expect_mega_equals_chain(c, seed++);
+      }
+    }
+  }
 }
 
 // The FP8 mode (its rebase of L1's rows inside the fused kernel) against the chain (L1, the
