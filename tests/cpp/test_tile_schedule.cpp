@@ -226,6 +226,14 @@ struct KernelRun {
   bool l2_skips_rebase = false;
   int gather = 0;
   bool l1_skips_gather = false;
+  // The combine inside (MegaCombine), every CTA's last unit: it counts the CTA out; then
+  // kEveryCta: CTAs b < summers, kLastCta: the last one out of its launch, wait until every CTA of
+  // every launch is out (one GPU: its own launch; virtual ranks: every rank's return_sig) and
+  // sum. `combine_skips_wait`: the summers do not wait (the bug the check must catch).
+  enum class Combine { kNone, kEveryCta, kLastCta } combine = Combine::kNone;
+  int summers = 1;
+  bool combine_skips_wait = false;
+  bool shared_counters = true;  // several launches: one set of slot counters (false: one each)
 };
 enum class Outcome { kOk, kDeadlock, kEarlyPass, kCountersLeftSet };
 Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
@@ -238,11 +246,16 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
   const int l1_target = k.l1_skips_gather ? 0 : k.gather;
   const int rebase_target = k.gather + m.ready_target();
   const int l2_target = rebase_target + (k.l2_skips_rebase ? 0 : k.rebase);
-  std::vector<int> ready(static_cast<size_t>(slots), 0), consumed(ready.size(), 0);
+  // The slot counters: one set for every launch (shared_counters: the bug of two launches on
+  // one workspace), or one per launch (virtual ranks, each with its own workspace).
+  std::vector<std::vector<int>> ready_of(k.shared_counters ? 1 : static_cast<size_t>(k.launches),
+                                         std::vector<int>(static_cast<size_t>(slots), 0));
+  std::vector<std::vector<int>> consumed_of = ready_of;
   struct Launch {
     int counter = 0, exited = 0;
     // per L1 tile; per slot (for the checks): units ended, the step its rows arrive
     std::vector<int> parts_arrived, l1_ended, rebase_ended, gather_ended, rows_arrive;
+    int l2_ended = 0, out = 0;  // L2 units ended; CTAs counted out by the combine
   };
   std::vector<Launch> launches(static_cast<size_t>(k.launches));
   for (Launch& l : launches) {
@@ -256,6 +269,7 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
   struct Cta {
     int launch = 0, b = 0;
     bool started = false, exited = false, producer_done = false, first_taken = false;
+    bool counted_out = false, sums = false;  // the combine
     int produced = -1;  // unit the producer holds (-1 none); waiting on its slot if L2
     bool passed = false;  // that unit's L2 wait passed
     std::vector<int> queue;  // units handed to the math, in order
@@ -299,6 +313,8 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
     for (Cta& c : ctas) {
       if (!c.started || c.exited) continue;
       Launch& l = launches[static_cast<size_t>(c.launch)];
+      std::vector<int>& ready = ready_of[k.shared_counters ? 0 : static_cast<size_t>(c.launch)];
+      std::vector<int>& consumed = consumed_of[k.shared_counters ? 0 : static_cast<size_t>(c.launch)];
       // producer
       if (!c.producer_done && c.queue.size() < 2) {
         if (c.produced < 0) {
@@ -369,7 +385,25 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
             const size_t s = static_cast<size_t>(slot_of(u));
             ++ready[s];
             ++l.rebase_ended[s];
+          } else {
+            ++l.l2_ended;
           }
+        }
+      }
+      if (k.combine != KernelRun::Combine::kNone && c.producer_done && c.queue.empty()) {
+        if (!c.counted_out) {  // the combine unit: count out
+          c.counted_out = true;
+          progress = true;
+          ++l.out;
+          c.sums = k.combine == KernelRun::Combine::kEveryCta ? c.b < k.summers : l.out == k.grid;
+        }
+        if (c.sums) {
+          bool all_out = true;
+          for (const Launch& other : launches) all_out = all_out && other.out == k.grid;
+          if (!all_out && !k.combine_skips_wait) continue;  // waiting (no progress)
+          for (const Launch& other : launches)
+            if (other.l2_ended != m.l2.total_tiles() * k.s2) early = true;
+          c.sums = false;
         }
       }
       if (c.producer_done && c.queue.empty()) {
@@ -382,8 +416,10 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
     if (!progress) return Outcome::kDeadlock;
   }
   if (early) return Outcome::kEarlyPass;
-  for (size_t s = 0; s < ready.size(); ++s) {
-    if (ready[s] != 0 || consumed[s] != 0) return Outcome::kCountersLeftSet;
+  for (size_t i = 0; i < ready_of.size(); ++i) {
+    for (size_t s = 0; s < ready_of[i].size(); ++s) {
+      if (ready_of[i][s] != 0 || consumed_of[i][s] != 0) return Outcome::kCountersLeftSet;
+    }
   }
   return Outcome::kOk;
 }
@@ -454,6 +490,47 @@ TEST(MegaSchedule, KernelProtocolWithGatherUnitsCompletesAndCatchesAnEarlyL1) {
 // The two hazards the kernel's rules avoid: a first unit fixed per CTA (as the decode GEMMs' static
 // first unit) deadlocks when not every CTA can be resident at once, and two launches at once on one
 // workspace's counters fail (an early pass, a deadlock or counters left set).
+// The combine inside the launch: every CTA's last unit counts it out, and the CTAs that sum wait
+// for every CTA (of every launch: virtual ranks wait for each other's returns). Every CTA summing
+// completes only when the whole grid is resident at once (hence the launcher's occupancy-sized
+// grid); the last CTA alone completes with few resident CTAs and several launches; a summer that
+// does not wait is caught reading L2 rows not yet written.
+TEST(MegaSchedule, KernelProtocolWithTheCombineNeedsTheGridResidentOrTheLastCta) {
+  using C = KernelRun::Combine;
+  int caught = 0;
+  for (uint32_t seed = 1; seed <= 10; ++seed) {
+    const Problem p = make_problem(3 + static_cast<int>(seed % 11), 6, 5, seed);
+    const Mega m = p.mega();
+    auto run = [&](KernelRun k) { return simulate_kernel(m, k, seed * 41 + static_cast<uint32_t>(k.grid)); };
+    for (KernelRun k : {KernelRun{1, 1, 8, 8}, KernelRun{2, 3, 16, 16}, KernelRun{1, 1, 132, 132}}) {
+      for (int summers : {1, 3, k.grid}) {
+        k.combine = C::kEveryCta;
+        k.summers = summers;
+        EXPECT_EQ(run(k), Outcome::kOk) << "seed " << seed << " grid " << k.grid << " summers " << summers;
+        k.combine_skips_wait = true;
+        caught += run(k) == Outcome::kEarlyPass;
+        k.combine_skips_wait = false;
+      }
+      k.combine = C::kLastCta;
+      EXPECT_EQ(run(k), Outcome::kOk) << "seed " << seed << " grid " << k.grid;
+    }
+    // Four virtual ranks' launches sharing 5 resident CTAs: the last CTA of each alone waits.
+    KernelRun ranks{1, 1, 8, 5, 4};
+    ranks.shared_counters = false;
+    ranks.combine = C::kLastCta;
+    EXPECT_EQ(run(ranks), Outcome::kOk) << "seed " << seed;
+    // Every CTA waiting with more CTAs than fit at once: one launch, or several ranks' launches.
+    KernelRun over{1, 1, 16, 12};
+    over.combine = C::kEveryCta;
+    over.summers = 16;
+    EXPECT_EQ(run(over), Outcome::kDeadlock) << "seed " << seed;
+    ranks.combine = C::kEveryCta;
+    ranks.summers = 8;
+    EXPECT_EQ(run(ranks), Outcome::kDeadlock) << "seed " << seed;
+  }
+  EXPECT_GT(caught, 0) << "a summer that skips the wait was never caught";
+}
+
 TEST(MegaSchedule, KernelProtocolFailsWithFixedFirstUnitsOrSharedCounters) {
   const Problem p = make_problem(6, 6, 5, 5);
   const Mega m = p.mega();
