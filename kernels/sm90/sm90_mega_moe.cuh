@@ -72,6 +72,9 @@ constexpr size_t mega_smem_bytes(int num_experts) {
 // (MegaGather) the gather units, ahead of every L1 unit; in FP8 mode the rebase units, between
 // L1's and L2's units, which rebase L1's rows (h_q, h_sf) into L2's E4M3 rows (h_fp8, h_factor).
 constexpr int kMegaUnitRows = 64;
+
+// The most CTAs that sum y in the combine inside the launch (MegaCombine; below 132, the SMs).
+constexpr int kMegaCombineCtas = 64;
 template <class Cfg>
 constexpr int mega_row_units_per_slot() {
   return (Cfg::kBlockN + kMegaUnitRows - 1) / kMegaUnitRows;
@@ -109,11 +112,19 @@ __device__ inline void mega_combine(const MegaCombine& c, int hidden, int mt) {
   const bool ep = c.expert_parallel != 0;
   const uint32_t chunks = static_cast<uint32_t>(hidden) / kCombineVec;
   const uint32_t total = static_cast<uint32_t>(c.num_tokens) * chunks;
-  // The CTAs that sum (all_ctas): one share of kThreads items each, at most the grid, at least
-  // one (under expert parallelism a rank without tokens still waits for the returns); the others
-  // only count out (fewer threads polling the same word while the last L2 tiles run).
-  // NOTES: every CTA polling (528 at decode) made the decode calls 2-4 % slower (tuning log v34).
-  const uint32_t summers = c.all_ctas ? max(1u, min(gridDim.x, (total + kThreads - 1) / kThreads)) : 1u;
+  // The CTAs that sum: the last `summers` to count out (all_ctas: one per kThreads items, at
+  // least one (a rank without tokens still waits for the returns), at most kMegaCombineCtas;
+  // otherwise the last one). A summer waits only for CTAs that count out after it, and at most
+  // kMegaCombineCtas - 1 wait at once, fewer than the CTAs the GPU holds at one per SM: every
+  // CTA of the grid gets to run even when fewer are resident than the occupancy query said (an
+  // SM still running another kernel's CTAs under a smaller shared-memory carveout).
+  // NOTES: the first CTAs by index summing, and every CTA with all_ctas, deadlocked one run in
+  // six of kimi-k3 T = 8 (tuning log v34).
+  const uint32_t summers =
+      c.all_ctas ? max(1u, min(min(gridDim.x, static_cast<uint32_t>(kMegaCombineCtas)),
+                               (total + kThreads - 1) / kThreads))
+                 : 1u;
+  __shared__ uint32_t s_part;
   // (under expert parallelism: the call number its EP dispatch, an earlier kernel, wrote)
   const uint64_t call =
       ep ? *reinterpret_cast<volatile const uint64_t*>(&ep::local_state(c.ep)->dispatched) : 0;
@@ -122,7 +133,8 @@ __device__ inline void mega_combine(const MegaCombine& c, int hidden, int mt) {
     const uint32_t generation = ep ? 0u : static_cast<uint32_t>(ptx::ld_acquire_gpu(
                                               reinterpret_cast<const int32_t*>(c.counters + 1)));
     if (ep) __threadfence_system(); else __threadfence();  // this CTA's rows (the barrier before)
-    const bool last = atomicAdd(c.counters, 1u) == gridDim.x - 1;
+    const uint32_t ticket = atomicAdd(c.counters, 1u);
+    const bool last = ticket == gridDim.x - 1;
     if (last) {
       c.counters[0] = 0;  // every CTA has counted: the next call finds it zero
       if (ep) {
@@ -132,7 +144,8 @@ __device__ inline void mega_combine(const MegaCombine& c, int hidden, int mt) {
         ptx::red_release_gpu_add(reinterpret_cast<int32_t*>(c.counters + 1), 1);
       }
     }
-    s_combines = c.all_ctas ? (blockIdx.x < summers ? 1u : 0u) : (last ? 1u : 0u);
+    s_combines = ticket >= gridDim.x - summers ? 1u : 0u;
+    s_part = ticket - (gridDim.x - summers);  // (a summer's share)
     s_generation = generation;
   }
   ptx::named_barrier_sync(kBar, kThreads);
@@ -151,8 +164,7 @@ __device__ inline void mega_combine(const MegaCombine& c, int hidden, int mt) {
     }
   }
   ptx::named_barrier_sync(kBar, kThreads);
-  const uint32_t part = c.all_ctas ? blockIdx.x : 0u;
-  for (uint32_t i = part * kThreads + mt; i < total; i += summers * kThreads) {
+  for (uint32_t i = s_part * kThreads + mt; i < total; i += summers * kThreads) {
     const uint32_t t = i / chunks;
     combine_chunk<true>(c.rows, c.slot_to_row, t, i - t * chunks, c.top_k,
                         static_cast<uint32_t>(hidden), c.y);

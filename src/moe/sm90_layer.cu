@@ -9,6 +9,7 @@
 #include "megamoe/error.hpp"
 #include "moe/sm90_gemm.hpp"
 #include "moe/sm90_stages.hpp"
+#include "sm90/sm90_combine_chunk.cuh"
 #include "megamoe/prepare.hpp"
 #include "moe/backend.hpp"
 #include "runtime/cuda_check.hpp"
@@ -128,11 +129,20 @@ RowsHint ep_rows_hint(const LayerConfig& c, int64_t num_tokens, int ranks, int64
   return {t * c.shape.top_k, per_expert_max};
 }
 
-// The most tokens a rank's MegaMoE kernel combines with its last CTA alone (several ranks on one
-// GPU): T * H / 8 items of K loads each for one CTA's math threads.
-constexpr int64_t kLastCtaCombineMaxTokens = 32;
+// The combine inside the MegaMoE kernel (MegaCombine) for calls of at most this many items
+// (T * H / 8, each K loads; mega_combine_inside): by up to 64 CTAs (kMegaCombineCtas) alone on a
+// GPU, two items per math thread of a decode tile; by the last CTA alone with several ranks on
+// one GPU, eight. Larger calls run the combine launch (over the whole GPU; the launch gap is
+// small beside their sum).
+constexpr int64_t kCombineInsideMaxItems = 16384;
+constexpr int64_t kLastCtaCombineMaxItems = 1024;
 
 }  // namespace
+
+bool mega_combine_inside(const LayerConfig& c, int64_t tokens, bool one_cta) {
+  const int64_t items = tokens * c.shape.hidden / kCombineVec;
+  return c.sm90.mega_combine && items <= (one_cta ? kLastCtaCombineMaxItems : kCombineInsideMaxItems);
+}
 
 const char* stage_name(Stage stage) {
   switch (stage) {
@@ -442,8 +452,8 @@ void Sm90Layer::forward(const uint16_t* x, const int32_t* topk_idx, const float*
   combine.num_tokens = static_cast<int32_t>(num_tokens);
   combine.top_k = static_cast<int32_t>(s.top_k);
   combine.all_ctas = 1;  // one grid alone: every CTA sums its share
-  const bool combine_inside = config_.sm90.mega_combine && !done(Stage::kL2);
-  if (!launch_gemms_fused(l1, l2, stream, nullptr, combine_inside ? &combine : nullptr)) {
+  const bool inside = mega_combine_inside(config_, num_tokens, false) && !done(Stage::kL2);
+  if (!launch_gemms_fused(l1, l2, stream, nullptr, inside ? &combine : nullptr)) {
     launch_l1(l1, stream);
     if (fp8) {
       launch_rebase_rows_e4m3(view_.h_q, view_.h_sf, view_.row_offsets, nullptr, num_local, 0,
@@ -544,11 +554,10 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   // row_dst: each received row's destination, its source's combine slot, where L2 writes it.
   ep::launch_dispatch(p, send, view_.row_offsets, view_.row_slot, view_.row_weights,
                       view_.row_dst, stream, pdl, /*wait_rows=*/!gather_inside);
-  // The combine inside the kernel (config.sm90.mega_combine): it returns this rank's rows' signal
-  // and waits for every rank's as ep_return does, then sums y. Alone on its GPU every CTA waits
-  // and sums its share; with several ranks on one GPU only the last CTA out (a rank waiting for
-  // the others must hold no more than one CTA), so only for calls of up to
-  // kLastCtaCombineMaxTokens.
+  // The combine inside the kernel (config.sm90.mega_combine, calls up to kCombineInsideMaxItems):
+  // it returns this rank's rows' signal and waits for every rank's as ep_return does, then sums
+  // y. Alone on its GPU up to 64 CTAs sum; with several ranks on one GPU only the last CTA out (a
+  // rank waiting for the others must hold no more than one CTA), so only for the smallest calls.
   // Each rank decides for itself: the signals are the same either way.
   MegaCombine combine;
   combine.rows = reinterpret_cast<const uint16_t*>(window + w.combine);
@@ -559,9 +568,8 @@ void Sm90Layer::forward_ep(const uint16_t* x, const int32_t* topk_idx, const flo
   combine.all_ctas = p.early_launch;
   combine.expert_parallel = 1;
   combine.ep = p;
-  const bool combine_inside = config_.sm90.mega_combine &&
-                              (p.early_launch != 0 || t <= kLastCtaCombineMaxTokens);
-  const MegaCombine* combine_arg = combine_inside ? &combine : nullptr;
+  const MegaCombine* combine_arg =
+      mega_combine_inside(config_, t, p.early_launch == 0) ? &combine : nullptr;
   if (gather_inside) {
     MEGAMOE_CHECK(launch_gemms_fused(l1, l2, stream, &gather, combine_arg), ErrorCode::kInternal,
                   "forward: the MegaMoE kernel declined a call its policy had taken");

@@ -79,6 +79,11 @@ struct WorkspaceView {
                                    // otherwise); zeroed once
 };
 
+// Whether the MegaMoE kernel, where it runs a call of `tokens` tokens, also sums y
+// (LayerConfig::sm90.mega_combine and the size rule of sm90_layer.cu; one_cta: several EP ranks on
+// one GPU, where the last CTA alone sums).
+bool mega_combine_inside(const LayerConfig& config, int64_t tokens, bool one_cta);
+
 class Sm90Layer {
  public:
   // `weights`: canonical (host or device; copied to the current device and prepared there) or

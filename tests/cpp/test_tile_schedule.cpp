@@ -227,9 +227,10 @@ struct KernelRun {
   int gather = 0;
   bool l1_skips_gather = false;
   // The combine inside (MegaCombine), every CTA's last unit: it counts the CTA out; then
-  // kEveryCta: CTAs b < summers, kLastCta: the last one out of its launch, wait until every CTA of
-  // every launch is out (one GPU: its own launch; virtual ranks: every rank's return_sig) and
-  // sum. `combine_skips_wait`: the summers do not wait (the bug the check must catch).
+  // kEveryCta: the last `summers` CTAs out, kLastCta: the last one out of its launch, wait until
+  // every CTA of every launch is out (one GPU: its own launch; virtual ranks: every rank's
+  // return_sig) and sum. `combine_skips_wait`: the summers do not wait (the bug the check must
+  // catch).
   enum class Combine { kNone, kEveryCta, kLastCta } combine = Combine::kNone;
   int summers = 1;
   bool combine_skips_wait = false;
@@ -395,7 +396,8 @@ Outcome simulate_kernel(const Mega& m, const KernelRun& k, uint32_t seed) {
           c.counted_out = true;
           progress = true;
           ++l.out;
-          c.sums = k.combine == KernelRun::Combine::kEveryCta ? c.b < k.summers : l.out == k.grid;
+          c.sums = k.combine == KernelRun::Combine::kEveryCta ? l.out > k.grid - k.summers
+                                                               : l.out == k.grid;
         }
         if (c.sums) {
           bool all_out = true;
@@ -490,11 +492,12 @@ TEST(MegaSchedule, KernelProtocolWithGatherUnitsCompletesAndCatchesAnEarlyL1) {
 // The two hazards the kernel's rules avoid: a first unit fixed per CTA (as the decode GEMMs' static
 // first unit) deadlocks when not every CTA can be resident at once, and two launches at once on one
 // workspace's counters fail (an early pass, a deadlock or counters left set).
-// The combine inside the launch: every CTA's last unit counts it out, and the CTAs that sum wait
-// for every CTA (of every launch: virtual ranks wait for each other's returns). Every CTA summing
-// completes only when the whole grid is resident at once (hence the launcher's occupancy-sized
-// grid); the last CTA alone completes with few resident CTAs and several launches; a summer that
-// does not wait is caught reading L2 rows not yet written.
+// The combine inside the launch: every CTA's last unit counts it out, and the last CTAs out sum
+// after waiting for every CTA (of every launch: virtual ranks wait for each other's returns).
+// Fewer summers than resident CTAs complete whatever the residency (kMegaCombineCtas < the SMs);
+// every CTA summing completes only with the whole grid resident at once; the last CTA alone
+// completes with few resident CTAs and several launches; a summer that does not wait is caught
+// reading L2 rows not yet written.
 TEST(MegaSchedule, KernelProtocolWithTheCombineNeedsTheGridResidentOrTheLastCta) {
   using C = KernelRun::Combine;
   int caught = 0;
@@ -519,7 +522,12 @@ TEST(MegaSchedule, KernelProtocolWithTheCombineNeedsTheGridResidentOrTheLastCta)
     ranks.shared_counters = false;
     ranks.combine = C::kLastCta;
     EXPECT_EQ(run(ranks), Outcome::kOk) << "seed " << seed;
-    // Every CTA waiting with more CTAs than fit at once: one launch, or several ranks' launches.
+    // More CTAs than fit at once: fewer summers than resident CTAs complete; every CTA waiting
+    // does not, in one launch or in several ranks' launches.
+    KernelRun fewer{1, 1, 16, 12};
+    fewer.combine = C::kEveryCta;
+    fewer.summers = 11;
+    EXPECT_EQ(run(fewer), Outcome::kOk) << "seed " << seed;
     KernelRun over{1, 1, 16, 12};
     over.combine = C::kEveryCta;
     over.summers = 16;

@@ -7,6 +7,7 @@
 #include "ep_test_util.hpp"
 #include "megamoe/error.hpp"
 #include "megamoe/reference.hpp"
+#include "moe/sm90_layer.hpp"
 
 namespace megamoe::test {
 namespace {
@@ -33,12 +34,12 @@ LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kF
 
 // What a virtual rank's call of T tokens runs with the MegaMoE kernel on a forced tile: the
 // dispatch inside where it sends with ep_send (T > 32), the combine inside (by its last CTA)
-// where T <= 32.
+// where the call is small enough (sm90::mega_combine_inside).
 std::string virtual_rank_kernels(const LayerConfig& c, int64_t t) {
   if (!c.sm90.mega_kernel) return "chain";
   std::string k = "mega";
   if (c.sm90.mega_dispatch && t > 32) k += "+dispatch";
-  if (c.sm90.mega_combine && t <= 32) k += "+combine";
+  if (sm90::mega_combine_inside(c, t, true)) k += "+combine";
   return k;
 }
 
