@@ -13,8 +13,8 @@
 // "1,8,64,512,4096,8192"), MEGAMOE_BENCH_RANKS (exchange and ranks, default 8),
 // MEGAMOE_BENCH_EXCHANGE_TOKENS (default "64,512,4096"), MEGAMOE_BENCH_TRANSPORTS (overhead,
 // default "nccl,virtual"), MEGAMOE_BENCH_EP_CONFIGS (overhead and ranks: the EP layer's configs,
-// default "chain"; any of chain, mega, mega_dispatch, mega_nocombine, mega_dispatch_nocombine:
-// LayerConfig::sm90.mega_kernel, mega_dispatch and, with _nocombine, mega_combine off), MEGAMOE_BENCH_TILE (default "auto": LayerConfig::sm90.gemm_tile),
+// default "chain"; any of chain, mega, mega_dispatch, mega_combine, mega_dispatch_combine:
+// LayerConfig::sm90.mega_kernel, mega_dispatch and mega_combine), MEGAMOE_BENCH_TILE (default "auto": LayerConfig::sm90.gemm_tile),
 // MEGAMOE_BENCH_VIRTUAL_TOKENS (ranks: tokens per rank, default none: not run).
 #include <cstdio>
 #include <cstdlib>
@@ -58,7 +58,7 @@ LayerConfig ep_variant(LayerConfig c, const std::string& name) {
   c.sm90.gemm_tile = list_env("MEGAMOE_BENCH_TILE", "auto").front();
   c.sm90.mega_kernel = name.rfind("mega", 0) == 0;
   c.sm90.mega_dispatch = name.find("dispatch") != std::string::npos;
-  c.sm90.mega_combine = name.find("nocombine") == std::string::npos;
+  c.sm90.mega_combine = name.find("combine") != std::string::npos;
   return c;
 }
 

@@ -393,6 +393,11 @@ def parse_args(argv=None):
                     help="with --mega: the dispatch inside the MegaMoE kernel "
                          "(LayerConfig(mega_dispatch=True): each received row gathered as it "
                          "arrives; run the command with --mega alone and with both)")
+    ap.add_argument("--mega-combine", action="store_true",
+                    help="with --mega: the combine inside the MegaMoE kernel "
+                         "(LayerConfig(mega_combine=True): the kernel returns its rows' signal "
+                         "and sums y of calls up to 16384 items, T * H / 8; run the command with "
+                         "--mega alone and with both)")
     ap.add_argument("--out", default="/tmp/ep_multi")
     args = ap.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
@@ -403,6 +408,8 @@ def parse_args(argv=None):
         ap.error(f"unknown steps {sorted(bad)}")
     if args.mega_dispatch and not args.mega:
         ap.error("--mega-dispatch needs --mega")
+    if args.mega_combine and not args.mega:
+        ap.error("--mega-combine needs --mega")
     return args
 
 
@@ -471,10 +478,12 @@ class Child:
             return self.mm.LayerConfig(shape, ep_size=self.ranks, ep_rank=self.rank,
                                        max_tokens_per_rank=cap, gemm_tile=tile,
                                        precision=self.args.precision, mega_kernel=self.args.mega,
-                                       mega_dispatch=self.args.mega_dispatch)
+                                       mega_dispatch=self.args.mega_dispatch,
+                                       mega_combine=self.args.mega_combine)
         return self.mm.LayerConfig(shape, max_tokens_per_rank=cap, gemm_tile=tile,
                                    precision=self.args.precision, mega_kernel=self.args.mega,
-                                   mega_dispatch=self.args.mega_dispatch)
+                                   mega_dispatch=self.args.mega_dispatch,
+                                   mega_combine=self.args.mega_combine)
 
     # -- correctness
     def correctness(self, shape):
@@ -707,7 +716,8 @@ class Child:
         one_cfg = mm.LayerConfig(mm.LayerShape(sh.hidden, sh.intermediate, e_local, sh.top_k),
                                  activation=base_cfg.activation, max_tokens_per_rank=tmax,
                                  precision=self.args.precision, mega_kernel=self.args.mega,
-                                 mega_dispatch=self.args.mega_dispatch)
+                                 mega_dispatch=self.args.mega_dispatch,
+                                 mega_combine=self.args.mega_combine)
         one = mm.MoELayer(one_cfg, mm.synthetic_weights(one_cfg, SEED), backend="sm90")
         self.emit(kind="built", shape=shape, step="perf", max_recv_rows=rows)
         for t in self.args.tokens:

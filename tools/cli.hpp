@@ -49,14 +49,14 @@ class Command {
 std::vector<CommandInfo> registered_commands();
 
 // The Hopper backend's options as flags (`run`, `bench`): --tile, --no-pdl, --mega,
-// --mega-dispatch, --no-mega-combine, --no-decode-front, --rows-hint, mapped onto LayerConfig::sm90 (validated with
+// --mega-dispatch, --mega-combine, --no-decode-front, --rows-hint, mapped onto LayerConfig::sm90 (validated with
 // the config).
 struct Sm90Flags {
   std::string tile = "auto";
   bool no_pdl = false;
   bool mega = false;
   bool mega_dispatch = false;
-  bool no_mega_combine = false;
+  bool mega_combine = false;
   bool no_decode_front = false;
   std::string rows_hint = "gated";
 
@@ -77,9 +77,10 @@ struct Sm90Flags {
                  "with --mega under expert parallelism: the MegaMoE kernel gathers each received "
                  "token row as it arrives (the dispatch inside the launch) instead of a gather "
                  "launch after every rank's rows");
-    app.add_flag("--no-mega-combine", no_mega_combine,
-                 "with --mega: the combine (and under expert parallelism the return) as launches "
-                 "after the MegaMoE kernel instead of inside it");
+    app.add_flag("--mega-combine", mega_combine,
+                 "with --mega: the MegaMoE kernel also sums y (and under expert parallelism "
+                 "returns its rows' signal) for calls of up to 16384 items (T * H / 8) instead "
+                 "of the combine (and return) launches after it");
     app.add_flag("--no-decode-front", no_decode_front,
                  "quantize, dispatch and gather as three launches also for decode calls "
                  "(T*K <= 1024 on one GPU, exact mode), where they are one by default");
@@ -92,7 +93,7 @@ struct Sm90Flags {
     config.sm90.programmatic_launch = !no_pdl;
     config.sm90.mega_kernel = mega;
     config.sm90.mega_dispatch = mega_dispatch;
-    config.sm90.mega_combine = !no_mega_combine;
+    config.sm90.mega_combine = mega_combine;
     config.sm90.decode_front = !no_decode_front;
     config.sm90.rows_hint = parse_rows_hint_mode(rows_hint);
   }

@@ -75,12 +75,14 @@ struct Sm90Options {
   // same results bit for bit. Off by default: its gain is the overlap of NVLink transfers with
   // the GEMMs, not measurable on one GPU, where it costs (docs/perf.md).
   bool mega_dispatch = false;
-  // The combine inside the MegaMoE kernel (with mega_kernel): for the calls the kernel runs, its
-  // CTAs sum y once every L2 row is in (under expert parallelism: once every rank has returned
-  // its rows; with several ranks on one GPU only for calls of up to 32 tokens, by one CTA),
+  // The combine inside the MegaMoE kernel (with mega_kernel): for the calls the kernel runs with
+  // at most 16384 items (T * H / 8; 1024 with several EP ranks on one GPU), its last CTAs sum y
+  // once every L2 row is in (under expert parallelism: once every rank has returned its rows)
   // instead of a combine launch (and, under expert parallelism, a return launch) after it. The
-  // same results bit for bit. Off: the launches, for measuring the difference.
-  bool mega_combine = true;
+  // same results bit for bit. Off by default: on one GPU it measured 2-3 us slower at decode than
+  // the launches with programmatic dependent launch (docs/perf.md); its gain, the return's
+  // launch after the cross-GPU wait, needs the multi-GPU machine to measure.
+  bool mega_combine = false;
   // Decode front: quantize, dispatch and gather of an exact-mode call on one GPU with T*K <= 1024
   // as one launch (kernels/sm90/sm90_decode_front.cuh) instead of three; the same workspace bit
   // for bit. Off: the three launches (the stage columns of `megamoe bench` then split them).

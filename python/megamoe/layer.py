@@ -156,7 +156,7 @@ class MoELayer:
         """Which kernels ran the expert GEMMs of the last call (host-side record, no wait): 'cpu';
         sm90: 'chain' (the GEMM launches) or 'mega' (the MegaMoE kernel), the latter with
         '+dispatch' when it gathered the received rows (LayerConfig(mega_dispatch=True)) and
-        '+combine' when it also summed y (LayerConfig(mega_combine=True), the default)."""
+        '+combine' when it also summed y (LayerConfig(mega_combine=True))."""
         return self._layer.last_call_kernels
 
     def _stream_handle(self, stream):

@@ -117,6 +117,9 @@ void LayerConfig::validate() const {
   MEGAMOE_CHECK_ARG(static_cast<unsigned>(sm90.rows_hint) <= kLastRowsHint,
                     "config: sm90.rows_hint: expected gated, bound or expected, got value ",
                     static_cast<int>(sm90.rows_hint));
+  MEGAMOE_CHECK_ARG(!sm90.mega_combine || sm90.mega_kernel,
+                    "config: sm90.mega_combine (the combine inside the MegaMoE kernel) needs "
+                    "sm90.mega_kernel");
   MEGAMOE_CHECK_ARG(!sm90.mega_dispatch || sm90.mega_kernel,
                     "config: sm90.mega_dispatch (the dispatch inside the MegaMoE kernel) needs "
                     "sm90.mega_kernel");

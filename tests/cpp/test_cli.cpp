@@ -201,6 +201,8 @@ TEST_F(Cli, EpFlagsAreValidated) {
       {"model --ep-size 0", "model: ep_size must be >= 1, got 0"},
       {"run --ep-size 2 --mega-dispatch",
        "sm90.mega_dispatch (the dispatch inside the MegaMoE kernel) needs sm90.mega_kernel"},
+      {"run --mega-combine",
+       "sm90.mega_combine (the combine inside the MegaMoE kernel) needs sm90.mega_kernel"},
   };
   for (const auto& [args, fragment] : cases) {
     SCOPED_TRACE(args);
@@ -227,7 +229,7 @@ TEST_F(Cli, HelpDocumentsEveryOption) {
                           "--ep-size", "--ep-rank", "--routing", "--bias", "--capacity", "--warmup",
                           "--iters", "--threads", "--no-check", "--max-diff", "--json", "--hidden",
                           "--intermediate", "--experts", "--top-k", "--ep-timeout",
-                          "--ep-max-recv-rows", "--mega", "--mega-dispatch", "--no-mega-combine", "virtual ranks",
+                          "--ep-max-recv-rows", "--mega", "--mega-dispatch", "--mega-combine", "virtual ranks",
                           "On the cpu backend"})
     EXPECT_NE(r.output.find(opt), std::string::npos) << opt << " undocumented:\n" << r.output;
   r = run_cli("model --help");

@@ -244,6 +244,17 @@ TEST(Config, PresetsAndValidation) {
   }
   cfg.sm90.mega_kernel = true;
   cfg.validate();
+  // So does the combine inside it.
+  cfg.sm90 = Sm90Options{};
+  cfg.sm90.mega_combine = true;
+  try {
+    cfg.validate();
+    FAIL() << "mega_combine without mega_kernel accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sm90.mega_combine"), std::string::npos) << e.what();
+  }
+  cfg.sm90.mega_kernel = true;
+  cfg.validate();
   cfg.sm90 = Sm90Options{};
   cfg.ep_size = 5;  // does not divide 896
   EXPECT_THROW(cfg.validate(), Error);

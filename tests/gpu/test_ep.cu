@@ -28,7 +28,7 @@ LayerConfig ep_config(const char* shape, int64_t capacity, const char* tile = kF
   c.fp8_min_rows_per_expert = 0;  // with precision fp8: every call (one FP8 tile, no split-K)
   c.sm90.mega_kernel = mega;
   c.sm90.mega_dispatch = mega_dispatch;
-  c.sm90.mega_combine = mega_combine;
+  c.sm90.mega_combine = mega && mega_combine;
   return c;
 }
 

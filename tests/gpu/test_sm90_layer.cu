@@ -195,7 +195,7 @@ std::unique_ptr<Sm90Layer> make_layer(const LayerCase& c, LayerConfig* config_ou
   config.fast_math = c.fast_math;
   config.sm90.gemm_tile = c.gemm_tile;
   config.sm90.mega_kernel = c.mega;
-  config.sm90.mega_combine = c.mega_combine;
+  config.sm90.mega_combine = c.mega && c.mega_combine;
   config.sm90.decode_front = c.decode_front;
   if (c.fp8) {
     config.precision = Precision::kFp8;

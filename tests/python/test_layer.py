@@ -362,9 +362,11 @@ def test_hopper_options_are_layer_options():
     assert both.mega_dispatch and "mega_dispatch=True" in repr(both)
     with pytest.raises(megamoe.InvalidArgumentError, match="needs sm90.mega_kernel"):
         megamoe.LayerConfig("small", mega_dispatch=True)  # the dispatch inside needs the kernel
-    assert cfg.mega_combine and "mega_combine" not in repr(cfg)  # on by default
-    apart = megamoe.LayerConfig("small", mega_kernel=True, mega_combine=False)
-    assert not apart.mega_combine and "mega_combine=False" in repr(apart)
+    assert not cfg.mega_combine and "mega_combine" not in repr(cfg)  # off by default
+    inside = megamoe.LayerConfig("small", mega_kernel=True, mega_combine=True)
+    assert inside.mega_combine and "mega_combine=True" in repr(inside)
+    with pytest.raises(megamoe.InvalidArgumentError, match="sm90.mega_combine"):
+        megamoe.LayerConfig("small", mega_combine=True)  # the combine inside needs the kernel
     with pytest.raises(megamoe.InvalidArgumentError, match="decode_128x16_k2_warp"):
         megamoe.LayerConfig("small", gemm_tile="decode")  # names the tiles it accepts
     with pytest.raises(megamoe.InvalidArgumentError, match="gated, bound or expected"):
