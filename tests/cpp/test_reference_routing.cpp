@@ -234,27 +234,21 @@ TEST(Config, PresetsAndValidation) {
   cfg.ep_rank = 8;
   EXPECT_THROW(cfg.validate(), Error);
   cfg.ep_rank = 0;
-  // The dispatch inside the MegaMoE kernel needs the kernel.
-  cfg.sm90.mega_dispatch = true;
-  try {
+  // The dispatch and the combine inside the MegaMoE kernel need the kernel.
+  for (bool Sm90Options::*option : {&Sm90Options::mega_dispatch, &Sm90Options::mega_combine}) {
+    const std::string name = option == &Sm90Options::mega_dispatch ? "sm90.mega_dispatch"
+                                                                   : "sm90.mega_combine";
+    cfg.sm90 = Sm90Options{};
+    cfg.sm90.*option = true;
+    try {
+      cfg.validate();
+      FAIL() << name << " without mega_kernel accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+    cfg.sm90.mega_kernel = true;
     cfg.validate();
-    FAIL() << "mega_dispatch without mega_kernel accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("sm90.mega_dispatch"), std::string::npos) << e.what();
   }
-  cfg.sm90.mega_kernel = true;
-  cfg.validate();
-  // So does the combine inside it.
-  cfg.sm90 = Sm90Options{};
-  cfg.sm90.mega_combine = true;
-  try {
-    cfg.validate();
-    FAIL() << "mega_combine without mega_kernel accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("sm90.mega_combine"), std::string::npos) << e.what();
-  }
-  cfg.sm90.mega_kernel = true;
-  cfg.validate();
   cfg.sm90 = Sm90Options{};
   cfg.ep_size = 5;  // does not divide 896
   EXPECT_THROW(cfg.validate(), Error);
