@@ -66,26 +66,8 @@ MegaChoice mega_choice(const L1Args& a1, const L2Args& a2, const MegaWorkspace& 
   return fp8 ? choose_mega_fp8_tile(q, a2.intermediate, a1.tile)
              : choose_mega_tile(q, a2.intermediate, a2.small_scales, a1.tile);
 }
-}  // namespace
 
-bool mega_fuses(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws) {
-  return mega_choice(a1, a2, ws).fused;
-}
-
-void check_mega_gather(const MegaGather& g, const L1Args& a1) {
-  MEGAMOE_CHECK_ARG(g.x_q != nullptr && g.x_sf != nullptr && g.row_slot != nullptr &&
-                        g.arrival.flags != nullptr && g.arrival.local != nullptr && g.top_k > 0 &&
-                        g.arrival.t_max > 0,
-                    "launch_mega: the gather inside the launch needs the received rows, scales, "
-                    "row_slot, arrival words, the window's state, top_k > 0 and t_max > 0");
-  MEGAMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(g.x_q) % 16 == 0 && a1.hidden % kScaleBlock == 0,
-                    "launch_mega: the gather reads 16-byte aligned rows of whole 32-groups, got "
-                    "x_q ", static_cast<const void*>(g.x_q), " and H = ", a1.hidden);
-  MEGAMOE_CHECK_ARG(a1.act_fp8 != nullptr ? a1.act_row_factor != nullptr : a1.act != nullptr,
-                    "launch_mega: the gather inside the launch writes L1's rows: expected ",
-                    a1.act_fp8 != nullptr ? "act_row_factor with act_fp8" : "act", ", got null");
-}
-
+// What launch_mega checks of `combine` (ws: its counters).
 void check_mega_combine(const MegaCombine& c, const L1Args& a1, const MegaWorkspace& ws) {
   MEGAMOE_CHECK_ARG(ws.combine_counters != nullptr,
                     "launch_mega: the combine inside the launch needs the workspace's "
@@ -108,6 +90,25 @@ void check_mega_combine(const MegaCombine& c, const L1Args& a1, const MegaWorksp
   MEGAMOE_CHECK_ARG(c.all_ctas != 0 || c.expert_parallel != 0,
                     "launch_mega: the combine by the last CTA alone is for several ranks on one "
                     "GPU (expert parallelism)");
+}
+}  // namespace
+
+bool mega_fuses(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws) {
+  return mega_choice(a1, a2, ws).fused;
+}
+
+void check_mega_gather(const MegaGather& g, const L1Args& a1) {
+  MEGAMOE_CHECK_ARG(g.x_q != nullptr && g.x_sf != nullptr && g.row_slot != nullptr &&
+                        g.arrival.flags != nullptr && g.arrival.local != nullptr && g.top_k > 0 &&
+                        g.arrival.t_max > 0,
+                    "launch_mega: the gather inside the launch needs the received rows, scales, "
+                    "row_slot, arrival words, the window's state, top_k > 0 and t_max > 0");
+  MEGAMOE_CHECK_ARG(reinterpret_cast<uintptr_t>(g.x_q) % 16 == 0 && a1.hidden % kScaleBlock == 0,
+                    "launch_mega: the gather reads 16-byte aligned rows of whole 32-groups, got "
+                    "x_q ", static_cast<const void*>(g.x_q), " and H = ", a1.hidden);
+  MEGAMOE_CHECK_ARG(a1.act_fp8 != nullptr ? a1.act_row_factor != nullptr : a1.act != nullptr,
+                    "launch_mega: the gather inside the launch writes L1's rows: expected ",
+                    a1.act_fp8 != nullptr ? "act_row_factor with act_fp8" : "act", ", got null");
 }
 
 bool launch_mega(const L1Args& a1, const L2Args& a2, const MegaWorkspace& ws, cudaStream_t stream,

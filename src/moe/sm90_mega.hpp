@@ -61,8 +61,6 @@ bool mega_fuses(const L1Args& l1, const L2Args& l2, const MegaWorkspace& ws);
 // The checks launch_mega makes of `gather` (throws kInvalidArgument naming what is missing); a
 // caller that launches the EP dispatch first makes them before it.
 void check_mega_gather(const MegaGather& gather, const L1Args& l1);
-// The same for `combine` (ws: its counters).
-void check_mega_combine(const MegaCombine& combine, const L1Args& l1, const MegaWorkspace& ws);
 
 // Loads every MegaMoE kernel now (see load_gemm_kernels).
 void load_mega_kernels();

@@ -59,13 +59,12 @@ void launch_mega_tile(const MegaParams& mp, const void* act, const void* h_act, 
   // (FP8 tiles: E4M3 rows, act_fp8 and h_fp8; exact mode: BF16 act and h_act.)
   const CUtensorMap map_act = make_rows_map(act, rows, mp.l1.k, Cfg::kBlockN, Cfg::kFp8);
   const CUtensorMap map_h = make_rows_map(h_act, rows, mp.l2.k, Cfg::kBlockN, Cfg::kFp8);
-  // A persistent grid: at most what is resident at once (the shared memory of many local
-  // experts can allow fewer CTAs per SM than the tile's kMinBlocksPerSM), which the combine
-  // inside the launch needs: every CTA counts itself out before any sums, and with all_ctas
-  // each waits for the others.
+  // A persistent grid: at most what the occupancy query says is resident at once (the shared
+  // memory of many local experts can allow fewer CTAs per SM than the tile's kMinBlocksPerSM),
+  // so that every CTA the combine inside the launch counts out is running or about to.
   const size_t smem = mega_smem_bytes<Cfg>(mp.l1.num_experts);
-  int per_sm = 0;
-  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Cfg::kThreads, smem));
+  const int per_sm = cuda::resident_ctas_per_sm(reinterpret_cast<const void*>(kernel),
+                                                Cfg::kThreads, smem);
   MEGAMOE_CHECK(per_sm >= 1, ErrorCode::kUnsupported, "sm90 MegaMoE kernel: tile ",
                 Cfg::kTile.name, " with ", mp.l1.num_experts, " local experts (", smem,
                 " bytes of shared memory) has no resident CTA per SM");

@@ -3,6 +3,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "megamoe/error.hpp"
@@ -34,6 +35,19 @@ void raise_max_dynamic_smem(const void* kernel, size_t bytes) {
   MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(bytes)));
   have = bytes;
+}
+
+int resident_ctas_per_sm(const void* kernel, int threads, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int, size_t>, int> known;
+  const std::tuple<int, const void*, int, size_t> key{current_device(), kernel, threads, smem};
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int ctas = 0;
+  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem));
+  known.emplace(key, ctas);
+  return ctas;
 }
 
 const DeviceInfo& device_info(int index) {
@@ -78,6 +92,9 @@ const DeviceInfo& device_info(int) {
 }
 void raise_max_dynamic_smem(const void*, size_t) {
   fail(ErrorCode::kUnsupported, "raise_max_dynamic_smem: megamoe was built without CUDA");
+}
+int resident_ctas_per_sm(const void*, int, size_t) {
+  fail(ErrorCode::kUnsupported, "resident_ctas_per_sm: megamoe was built without CUDA");
 }
 #endif
 

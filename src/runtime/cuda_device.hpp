@@ -50,5 +50,11 @@ int current_device();
 // stream operation: layers call it at construction, so a captured forward() makes none.
 void raise_max_dynamic_smem(const void* kernel, size_t bytes);
 
+// The CTAs of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) that one SM of
+// the current device holds at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor), asked once
+// per (device, kernel, threads, smem) and remembered: launchers call it on every launch.
+// Thread-safe; a host call, not a stream operation.
+int resident_ctas_per_sm(const void* kernel, int threads, size_t smem);
+
 }  // namespace cuda
 }  // namespace megamoe
