@@ -79,9 +79,9 @@ struct Sm90Options {
   // at most 16384 items (T * H / 8; 1024 with several EP ranks on one GPU), its last CTAs sum y
   // once every L2 row is in (under expert parallelism: once every rank has returned its rows)
   // instead of a combine launch (and, under expert parallelism, a return launch) after it. The
-  // same results bit for bit. Off by default: on one GPU it measured 2-3 us slower at decode than
-  // the launches with programmatic dependent launch (docs/perf.md); its gain, the return's
-  // launch after the cross-GPU wait, needs the multi-GPU machine to measure.
+  // same results bit for bit. Off by default: on one GPU it is slower at decode than the launches
+  // with programmatic dependent launch (docs/perf.md); its gain, the return's launch after the
+  // cross-GPU wait, needs the multi-GPU machine to measure.
   bool mega_combine = false;
   // Decode front: quantize, dispatch and gather of an exact-mode call on one GPU with T*K <= 1024
   // as one launch (kernels/sm90/sm90_decode_front.cuh) instead of three; the same workspace bit

@@ -118,8 +118,8 @@ __device__ inline void mega_combine(const MegaCombine& c, int hidden, int mt) {
   // kMegaCombineCtas - 1 wait at once, fewer than the CTAs the GPU holds at one per SM: every
   // CTA of the grid gets to run even when fewer are resident than the occupancy query said (an
   // SM still running another kernel's CTAs under a smaller shared-memory carveout).
-  // NOTES: the first CTAs by index summing, and every CTA with all_ctas, deadlocked one run in
-  // six of kimi-k3 T = 8 (tuning log v34).
+  // NOTES: why few and the last: when every CTA waited, or the first ones by index, a grid
+  // larger than what was resident could deadlock (tuning log v34).
   const uint32_t summers =
       c.all_ctas ? max(1u, min(min(gridDim.x, static_cast<uint32_t>(kMegaCombineCtas)),
                                (total + kThreads - 1) / kThreads))
